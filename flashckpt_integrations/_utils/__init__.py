@@ -1,0 +1,1 @@
+"""Private helpers; not part of the public API."""

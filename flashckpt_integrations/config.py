@@ -1,0 +1,63 @@
+"""Typed configuration of the checkpointer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .core.layout import Layout
+from .core.retention import RetentionPolicy
+
+
+class BusyPolicy(str, Enum):
+    """What a save does when both of the rank's slots are still being persisted."""
+
+    WAIT = "wait"
+    """Block until the older persist finishes (bounded by ``busy_timeout_s``, then skip)."""
+    SKIP = "skip"
+    """Return at once with ``SaveStatus.SKIPPED`` and the reason."""
+
+
+@dataclass(kw_only=True)
+class CheckpointerConfig:
+    """Everything a :class:`~flashckpt_integrations.Checkpointer` can be told."""
+
+    job_id: str | None = None
+    """Names the job's slots and saver. Default: ``$FLASHCKPT_JOB_ID``, else the checkpoint
+    directory, so a relaunch of the same job finds its memory and two jobs never collide."""
+    node_id: str | None = None
+    """Names the node's saver. Default: ``$FLASHCKPT_NODE_ID``, else host name and node rank."""
+    layout: Layout = field(default_factory=Layout)
+    """Step directory, tracker and staging (adapters set their framework's names)."""
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    """Which committed steps to delete after each commit (default: keep all)."""
+    async_snapshot: bool = False
+    """Overlap the memory copy with training: ``save`` returns once the copy has started and
+    the next optimizer step (of the optimizers given to the checkpointer) waits for it. The
+    state's tensors must not change until then. Default: synchronous copy."""
+    on_slot_busy: BusyPolicy = BusyPolicy.WAIT
+    """When both slots are still being persisted: wait, or skip the save (reported)."""
+    busy_timeout_s: float = 600.0
+    commit_timeout_s: float = 600.0
+    """How long the committer waits for every rank's files before it marks the step failed."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to the storage backend (fsspec options for URLs such as ``s3://``)."""
+    storage_factory: str | None = None
+    """``"module:attribute"`` of a custom storage factory ``f(url, **storage_options)``."""
+    shm_dir: str = "/dev/shm"
+    saver_start_timeout_s: float = 60.0
+    weights_only: bool = True
+    """Load non-tensor values with torch's ``weights_only`` unpickler (no arbitrary code)."""
+    pin_memory: bool = True
+    """Page-lock slots for device-to-host copies when an accelerator is used."""
+
+    def __post_init__(self) -> None:
+        self.on_slot_busy = BusyPolicy(self.on_slot_busy)
+        if not isinstance(self.layout, Layout):
+            self.layout = Layout(**self.layout)
+        if not isinstance(self.retention, RetentionPolicy):
+            self.retention = RetentionPolicy(**self.retention)
+        for name in ("busy_timeout_s", "commit_timeout_s", "saver_start_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive number of seconds")

@@ -1,0 +1,220 @@
+"""The trainer's side of the saver: find or start the node's saver and talk to it.
+
+Names are scoped by user and job: the run directory is ``<base>/flashckpt-<uid>/<job>-<node>``
+(mode 0700, checked on every use) and holds the saver's socket, lock and log; shared-memory
+slots are ``/dev/shm/flashckpt-<uid>-<job>-r<rank>-<k>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from .. import knobs
+from ..errors import SaverProcessError
+from .saver import LOG_NAME, SOCKET_NAME
+
+logger = logging.getLogger(__name__)
+
+
+def job_key(job_id: str) -> str:
+    """A short, filesystem-safe key for a job id."""
+    return hashlib.sha1(job_id.encode()).hexdigest()[:12]
+
+
+def private_dir(path: str) -> str:
+    """Create ``path`` with mode 0700, or check that an existing one is ours and private."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise SaverProcessError(
+            f"{path} must be a directory owned by uid {os.getuid()} with mode 0700, found uid "
+            f"{st.st_uid} mode {oct(stat.S_IMODE(st.st_mode))}. Remove it, or set {knobs.RUN_DIR} "
+            "to a private directory."
+        )
+    return path
+
+
+def user_run_root() -> str:
+    base = knobs.get(knobs.RUN_DIR)
+    if base is None:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        base = xdg if xdg and os.access(xdg, os.W_OK) else "/tmp"
+    return private_dir(os.path.join(base, f"flashckpt-{os.getuid()}"))
+
+
+def run_dir_for(job: str, node: str) -> str:
+    return private_dir(os.path.join(user_run_root(), f"{job}-{node}"))
+
+
+class SaverClient:
+    """A connection from one rank to its node's saver."""
+
+    def __init__(self, run_dir: str, rank: int, *, start_timeout: float = 60.0) -> None:
+        self.run_dir = run_dir
+        self.rank = rank
+        self.start_timeout = start_timeout
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+        self._futures: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self.saver_pid: int | None = None
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.run_dir, SOCKET_NAME)
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    # --- connection ------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Connect to the node's saver, starting it when none answers."""
+        if self._sock is not None:
+            return
+        deadline = time.monotonic() + self.start_timeout
+        last_spawn = -1e9
+        while not self._try_connect():
+            if time.monotonic() - last_spawn > 5.0:
+                last_spawn = time.monotonic()
+                if self._spawn_if_absent():
+                    return
+            if time.monotonic() > deadline:
+                raise SaverProcessError(
+                    f"the saver for {self.run_dir} did not come up within {self.start_timeout}s; "
+                    f"see {os.path.join(self.run_dir, LOG_NAME)}"
+                )
+            time.sleep(0.05)
+
+    def _try_connect(self) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            return False
+        self._sock = sock
+        self._reader = threading.Thread(target=self._read_loop, name="flashckpt-saver-reader", daemon=True)
+        self._reader.start()
+        try:
+            reply = self.request({"op": "hello", "rank": self.rank, "pid": os.getpid()}).result(self.start_timeout)
+        except Exception:
+            self._disconnect()
+            return False
+        self.saver_pid = reply.get("pid")
+        return True
+
+    def _spawn_if_absent(self) -> bool:
+        """Start a saver unless one answers once the spawn lock is ours; True when connected."""
+        lock_path = os.path.join(self.run_dir, "spawn.lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self._try_connect():
+                return True
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)  # a stale socket of a saver that is gone
+            self._start_saver()
+            deadline = time.monotonic() + self.start_timeout
+            while time.monotonic() < deadline:
+                if self._try_connect():
+                    return True
+                time.sleep(0.02)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return False
+
+    def _start_saver(self) -> None:
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        log = open(os.path.join(self.run_dir, LOG_NAME), "ab")  # noqa: SIM115 - handed to the child
+        with log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "flashckpt_integrations.core.saver", "--run-dir", self.run_dir,
+                 "--watch-pid", str(os.getppid())],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
+                start_new_session=True, env=env, cwd="/",
+            )
+        logger.info("[RANK %d] started saver pid %d for %s", self.rank, proc.pid, self.run_dir)
+
+    def _disconnect(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    # --- messages --------------------------------------------------------------------------
+
+    def request(self, message: dict[str, Any]) -> Future:
+        """Send ``message``; the future resolves with the saver's reply."""
+        future: Future = Future()
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                future.set_exception(SaverProcessError("not connected to the saver"))
+                return future
+            rid = next(self._ids)
+            self._futures[rid] = future
+            try:
+                sock.sendall((json.dumps({**message, "id": rid}) + "\n").encode())
+            except OSError as exc:
+                self._futures.pop(rid, None)
+                future.set_exception(SaverProcessError(f"lost the saver connection: {exc}"))
+        return future
+
+    def _read_loop(self) -> None:
+        sock = self._sock
+        buffer = b""
+        while True:
+            try:
+                data = sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            buffer += data
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                reply = json.loads(line)
+                with self._lock:
+                    future = self._futures.pop(reply.get("id"), None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        with self._lock:
+            futures, self._futures = list(self._futures.values()), {}
+            if self._sock is sock:
+                self._sock = None
+        for future in futures:
+            if not future.done():
+                future.set_exception(SaverProcessError("the saver process exited before it answered"))
+
+    def close(self, clean: bool) -> None:
+        if self._sock is None:
+            return
+        with contextlib.suppress(Exception):
+            self.request({"op": "close", "rank": self.rank, "clean": clean}).result(10)
+        self._disconnect()
+        if self._reader is not None:
+            self._reader.join(timeout=5)

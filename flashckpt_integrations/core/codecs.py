@@ -1,0 +1,142 @@
+"""Codecs: write a file of a snapshot from shared memory to storage, and read files back.
+
+Writing happens in the saver from the slot's metadata alone (no unpickling). Every file is
+checksummed (crc32 of its bytes) while it is written; the checksum goes into the rank's done
+marker and is verified when the file is read back through :func:`read_file`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import zlib
+from typing import IO, Any
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from .shm_buffer import Slot
+from .state import SAFE_GLOBALS, Codec, rebuild_safetensors, unpickle_torch
+from .storage import Storage
+
+_TORCH_STORAGE_ALIGNMENT = 64
+
+
+class _ChecksumWriter:
+    """File-like wrapper that counts and checksums what passes through it."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        self._f.write(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def write_file(
+    storage: Storage, path: str, fmeta: dict[str, Any], regions: list[list[int]], slot: Slot
+) -> dict[str, Any]:
+    """Write one file described by ``fmeta`` from ``slot``; return its marker entry."""
+    codec = Codec(fmeta["codec"])
+    blob_off, blob_len = fmeta["blob"]
+    with storage.open_write(path) as f:
+        out = _ChecksumWriter(f)
+        if codec is Codec.TORCH:
+            _write_torch(out, slot, slot.read_bytes(blob_off, blob_len), fmeta["storages"], regions)
+        else:
+            out.write(slot.view(blob_off, blob_len).numpy())
+            for index in fmeta["tensors"]:
+                offset, nbytes = regions[index]
+                if nbytes:
+                    out.write(slot.view(offset, nbytes).numpy())
+    return {"path": path, "size": out.size, "crc32": out.crc}
+
+
+def _write_torch(
+    out: _ChecksumWriter, slot: Slot, pickle_bytes: bytes, storages: dict[str, int], regions: list[list[int]]
+) -> None:
+    """Write the zip layout of ``torch.save`` (same records, same order)."""
+    writer = torch._C.PyTorchFileWriter(out, False, _TORCH_STORAGE_ALIGNMENT)
+    writer.write_record("data.pkl", pickle_bytes, len(pickle_bytes))
+    writer.write_record(".format_version", "1", 1)
+    alignment = str(_TORCH_STORAGE_ALIGNMENT)
+    writer.write_record(".storage_alignment", alignment, len(alignment))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for key in sorted(storages, key=int):
+        offset, nbytes = regions[storages[key]]
+        if nbytes:
+            writer.write_record(f"data/{key}", slot.storage(offset, nbytes), nbytes)
+        else:
+            writer.write_record(f"data/{key}", b"", 0)
+    writer.write_end_of_file()
+
+
+def decode_from_slot(
+    slot: Slot,
+    regions: list[list[int]],
+    fmeta: dict[str, Any],
+    *,
+    weights_only: bool = True,
+    map_location: Any = None,
+    copy: bool = True,
+) -> Any:
+    """Rebuild one file's object from a complete slot."""
+    codec = Codec(fmeta["codec"])
+    blob = slot.read_bytes(*fmeta["blob"])
+    if codec is Codec.TORCH:
+        storages = fmeta["storages"]
+
+        def storage_for_key(key: str) -> torch.Tensor:
+            if key not in storages:
+                raise CorruptCheckpointError(f"{fmeta['path']}: pickle names storage {key} that the slot lacks")
+            return slot.view(*regions[storages[key]])
+
+        return unpickle_torch(blob, storage_for_key, weights_only=weights_only, map_location=map_location, copy=copy)
+    if codec is Codec.SAFETENSORS:
+        views = [slot.view(*regions[i]) for i in fmeta["tensors"]]
+        return rebuild_safetensors(blob, views, copy=copy)
+    return _decode_small(codec, blob)
+
+
+def _decode_small(codec: Codec, data: bytes) -> Any:
+    if codec is Codec.JSON:
+        return json.loads(data)
+    return data
+
+
+def read_file(
+    storage: Storage,
+    path: str,
+    codec: Codec,
+    *,
+    expected: dict[str, Any] | None = None,
+    weights_only: bool = True,
+    map_location: Any = None,
+) -> Any:
+    """Read a committed file through ``storage``; ``expected`` (a marker entry) is verified."""
+    data = storage.read(path)
+    if expected is not None:
+        if len(data) != expected["size"] or zlib.crc32(data) != expected["crc32"]:
+            raise CorruptCheckpointError(
+                f"{path}: size/checksum {len(data)}/{zlib.crc32(data)} differ from the "
+                f"{expected['size']}/{expected['crc32']} recorded when it was written; the file "
+                "was changed or truncated after the commit"
+            )
+    codec = Codec(codec)
+    if codec is Codec.TORCH:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(io.BytesIO(data), weights_only=weights_only, map_location=map_location)
+    if codec is Codec.SAFETENSORS:
+        from safetensors.torch import load as st_load
+
+        return st_load(data)
+    return _decode_small(codec, data)

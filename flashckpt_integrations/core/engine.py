@@ -1,0 +1,664 @@
+"""The checkpointer: the API every adapter (and plain PyTorch/DDP code) calls.
+
+Call order: ``Checkpointer(dir)`` -> optionally ``prepare(state)`` -> ``save(step, state)``
+each time a checkpoint is due -> ``load()`` after a (re)start -> ``wait()`` where the caller
+needs durability -> ``close()`` at the end of the job (or ``with Checkpointer(...)``).
+
+``save`` copies the state into one of the rank's two shared-memory slots and, when asked to
+persist, tells the node's saver, which writes the files and takes part in the commit. ``load``
+restores from memory when every rank holds the same complete snapshot that is at least as new
+as the newest commit (decided collectively), otherwise from the newest commit on storage.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+import torch
+
+from .. import knobs
+from ..config import BusyPolicy, CheckpointerConfig
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FlashCkptError,
+    LayoutMismatchError,
+    SaverProcessError,
+    SharedMemoryError,
+)
+from . import collectives
+from .client import SaverClient, job_key, run_dir_for
+from .codecs import decode_from_slot, read_file
+from .layout import FAILED, Layout, commit_record, committed_steps, read_json
+from .shm_buffer import HEADER_SIZE, Slot, SlotState
+from .state import Codec, FileSpec, copy_regions, normalize_files, plan_snapshot
+from .storage import storage_from_url
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "rank-{rank}.pt"
+"""File name that ``save(step, state)`` uses for the rank's state inside the step directory."""
+
+
+class SaveStatus(str, Enum):
+    IN_MEMORY = "in_memory"
+    """The snapshot is complete in shared memory; nothing is written to storage."""
+    PERSISTING = "persisting"
+    """The snapshot is in memory and the saver is persisting it; ``wait()`` for the commit."""
+    SKIPPED = "skipped"
+    """Nothing was saved; ``reason`` says why."""
+    FAILED = "failed"
+    """The save could not happen; ``reason`` says why. Earlier checkpoints are intact."""
+
+
+@dataclass
+class PersistResult:
+    step: int
+    committed: bool
+    error: str | None = None
+
+
+@dataclass
+class SaveResult:
+    """What ``save`` did. ``blocking_s`` is how long the caller was held."""
+
+    step: int
+    status: SaveStatus
+    reason: str | None = None
+    blocking_s: float = 0.0
+    _snapshot: Future | None = field(default=None, repr=False)
+    _persist: Future | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (SaveStatus.IN_MEMORY, SaveStatus.PERSISTING)
+
+    def wait(self, timeout: float | None = None) -> PersistResult:
+        """Wait until the snapshot is in memory and, when persisting, committed or failed."""
+        if not self.ok:
+            return PersistResult(self.step, False, self.reason)
+        if self._snapshot is not None:
+            error = self._snapshot.result(timeout)
+            if error is not None:
+                return PersistResult(self.step, False, error)
+        if self._persist is None:
+            return PersistResult(self.step, False, None)
+        return self._persist.result(timeout)
+
+
+@dataclass
+class LoadResult:
+    step: int
+    source: str
+    """``"memory"`` or ``"storage"``."""
+    files: dict[str, Any]
+
+    @property
+    def state(self) -> Any:
+        """The object saved with ``save(step, state)``."""
+        for path, obj in self.files.items():
+            if path.startswith("rank-") and path.endswith(".pt"):
+                return obj
+        raise KeyError("this checkpoint was saved with files=..., read LoadResult.files")
+
+
+class Checkpointer:
+    """Flash checkpoints for one rank. Create one per process, on every rank."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike,
+        config: CheckpointerConfig | None = None,
+        *,
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+        rank: int | None = None,
+        world_size: int | None = None,
+        process_group: Any = None,
+        **overrides: Any,
+    ) -> None:
+        config = config or CheckpointerConfig()
+        self.config = replace(config, **overrides) if overrides else config
+        self.process_group = process_group
+        self.rank, self.world_size = collectives.rank_and_world(rank, world_size, process_group)
+        url = os.fspath(checkpoint_dir)
+        self.url = url if "://" in url else os.path.abspath(os.path.expanduser(url))
+        self.storage = storage_from_url(self.url, self.config.storage_options, self.config.storage_factory)
+        self.layout: Layout = self.config.layout
+        job = self.config.job_id or knobs.get(knobs.JOB_ID) or self.url
+        self.job_key = job_key(job)
+        node = self.config.node_id or knobs.get(knobs.NODE_ID) or (
+            f"{socket.gethostname()}-{os.environ.get('GROUP_RANK', '0')}"
+        )
+        self.run_dir = run_dir_for(self.job_key, job_key(node)[:8])
+        shm_dir = knobs.get(knobs.SHM_DIR, self.config.shm_dir)
+        prefix = f"flashckpt-{os.getuid()}-{self.job_key}-r{self.rank}"
+        self.slot_paths = [os.path.join(shm_dir, f"{prefix}-{k}") for k in range(2)]
+        self._slots: list[Slot | None] = [None, None]
+        self._persisting: list[Future | None] = [None, None]
+        self._client = SaverClient(self.run_dir, self.rank, start_timeout=self.config.saver_start_timeout_s)
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
+        self._snapshot: Future | None = None
+        self._results: list[SaveResult] = []
+        self._hooks: list[Any] = []
+        self._lock = threading.RLock()
+        self._closed = False
+        self._seq = self._newest_seq() + 1
+        for optimizer in optimizers:
+            self.attach_optimizer(optimizer)
+        self._atexit = _AtExit(self)
+        atexit.register(self._atexit)
+
+    # --- public API ------------------------------------------------------------------------
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait for an overlapped snapshot still being copied."""
+        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_for_snapshot()))
+
+    def prepare(self, state: Any = None, *, files: Mapping[str, Any] | None = None, nbytes: int | None = None) -> None:
+        """Create and pre-fault both slots ahead of the first save, sized for ``state``."""
+        device = False
+        if nbytes is None:
+            plan = plan_snapshot(normalize_files(self._files(state, files)))
+            nbytes = plan.layout(HEADER_SIZE) + 64 * 1024 + 256 * len(plan.regions)
+            device = _on_device(plan)
+        for index in range(2):
+            if self._persisting[index] is None or self._persisting[index].done():
+                self._ensure_slot(index, nbytes, pin=device)
+
+    def save(
+        self,
+        step: int,
+        state: Any = None,
+        *,
+        files: Mapping[str, Any] | None = None,
+        persist: bool = True,
+        async_snapshot: bool | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveResult:
+        """Snapshot ``state`` (or ``files``) for ``step`` into memory and optionally persist it.
+
+        Call it on every rank (a rank with nothing to save passes ``files={}``): the commit
+        waits for every rank. Returns at once with the outcome; it never drops a checkpoint
+        silently: a save that cannot happen returns ``SKIPPED`` or ``FAILED`` with the reason.
+        """
+        started = time.perf_counter()
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        specs = normalize_files(self._files(state, files))
+        overlap = self.config.async_snapshot if async_snapshot is None else async_snapshot
+        with self._lock:
+            self.wait_for_snapshot()
+            plan = plan_snapshot(specs)
+            end = plan.layout(HEADER_SIZE)
+            meta = {
+                "format": 1, "step": step, "rank": self.rank, "world_size": self.world_size,
+                "job": self.job_key, "time": time.time(), "user": dict(metadata or {}), **plan.metadata(),
+            }
+            index, reason = self._choose_slot()
+            if index is None:
+                return self._finish(SaveResult(step, SaveStatus.SKIPPED, reason), started)
+            raw_meta = _dumps(meta)
+            try:
+                slot = self._ensure_slot(index, end + len(raw_meta), pin=_on_device(plan))
+            except SharedMemoryError as exc:
+                return self._finish(SaveResult(step, SaveStatus.FAILED, str(exc)), started)
+            seq = self._seq
+            self._seq += 1
+            slot.begin_write(step, seq)
+            for offset, blob in plan.blobs():
+                slot.write_blob(offset, blob)
+            persist_future: Future | None = Future() if persist else None
+            status = SaveStatus.PERSISTING if persist else SaveStatus.IN_MEMORY
+            result = SaveResult(step, status, _persist=persist_future)
+            args = (index, slot, plan, step, seq, end, raw_meta, persist_future)
+            events = _record_device_events(plan)
+            if overlap:
+                self._snapshot = self._copier.submit(self._complete, *args, events)
+                result._snapshot = self._snapshot
+            else:
+                error = self._complete(*args, events)
+                if error is not None:
+                    result.status, result.reason = SaveStatus.FAILED, error
+        return self._finish(result, started)
+
+    def wait_for_snapshot(self) -> None:
+        """Block until an overlapped snapshot copy has finished."""
+        snapshot = self._snapshot
+        if snapshot is not None:
+            snapshot.result()
+            self._snapshot = None
+
+    def wait(self, timeout: float | None = None) -> PersistResult | None:
+        """Wait for every save of this rank to be committed (or failed); return the newest."""
+        self.wait_for_snapshot()
+        newest = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for result in list(self._results):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            outcome = result.wait(remaining)
+            if result.status is SaveStatus.PERSISTING:
+                newest = outcome
+        self._results = [r for r in self._results if r._persist is not None and not r._persist.done()]
+        return newest
+
+    def committed_steps(self) -> list[int]:
+        """Steps committed on storage, ascending."""
+        return committed_steps(self.storage)
+
+    def memory_steps(self) -> list[int]:
+        """Steps held complete in this rank's slots, ascending."""
+        return sorted(self._memory_snapshots())
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        target: Any = None,
+        map_location: Any = None,
+        prefer_memory: bool = True,
+        weights_only: bool | None = None,
+    ) -> LoadResult | None:
+        """Load the newest checkpoint (or ``step``); ``None`` when there is none at all.
+
+        Collective when a process group is initialised: every rank must call it. With
+        ``target`` (the live state, as passed to ``save``) tensors are copied in place into
+        the target's tensors; otherwise fresh tensors are returned.
+        """
+        self._check_open()
+        self.wait_for_snapshot()
+        weights_only = self.config.weights_only if weights_only is None else weights_only
+        memory = self._memory_snapshots() if prefer_memory else {}
+        committed = self.committed_steps()
+        views = collectives.all_gather_object((sorted(memory), committed[-1] if committed else None),
+                                              self.world_size, self.process_group)
+        in_every_rank = set.intersection(*(set(v[0]) for v in views)) if views else set()
+        newest_commit = views[0][1]
+        if step is None:
+            eligible = [s for s in in_every_rank if newest_commit is None or s >= newest_commit]
+            chosen_memory = max(eligible) if eligible else None
+            step = chosen_memory if chosen_memory is not None else newest_commit
+        else:
+            chosen_memory = step if step in in_every_rank else None
+        if step is None:
+            return None
+        started = time.perf_counter()
+        if chosen_memory is not None:
+            slot, meta = memory[step]
+            files = {
+                f["path"]: decode_from_slot(slot, meta["regions"], f, weights_only=weights_only,
+                                            map_location=map_location, copy=target is None)
+                for f in meta["files"]
+            }
+            source = "memory"
+        else:
+            files = self._load_from_storage(step, weights_only, map_location)
+            source = "storage"
+        if target is not None:
+            files = _copy_into_target(files, self._files(target, None) if not _is_files(target) else target)
+        logger.info("[RANK %d] loaded step %d from %s in %.3fs", self.rank, step, source,
+                    time.perf_counter() - started)
+        return LoadResult(step, source, files)
+
+    def read_file(self, step: int, path: str, codec: Codec | str = Codec.TORCH, **kwargs: Any) -> Any:
+        """Read any file of committed ``step`` from storage (for loading into another layout)."""
+        record = commit_record(self.storage, step)
+        if record is None:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.url}")
+        base = self.layout.step_path(step)
+        return read_file(self.storage, f"{base}/{path}", Codec(codec), **kwargs)
+
+    def close(self, *, wait: bool = True) -> None:
+        """Finish in-flight work, leave the saver, and free this rank's shared memory."""
+        if self._closed:
+            return
+        failed = False
+        try:
+            if wait:
+                self.wait()
+        except Exception:
+            failed = True
+            raise
+        finally:
+            self._shutdown(clean=not failed)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._shutdown(clean=False)
+
+    # --- saving internals ------------------------------------------------------------------
+
+    def _files(self, state: Any, files: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        if (state is None) == (files is None):
+            raise ValueError("pass exactly one of `state` (one object) or `files` ({path: object})")
+        return files if files is not None else {STATE_FILE.format(rank=self.rank): FileSpec(state)}
+
+    def _complete(
+        self, index: int, slot: Slot, plan: Any, step: int, seq: int, meta_offset: int, raw_meta: bytes,
+        persist: Future | None, events: list[Any],
+    ) -> str | None:
+        """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None."""
+        try:
+            _wait_device_events(events)
+            copy_regions(plan, slot.buffer)
+            _synchronize_devices(plan)
+            slot.finish_write(step, seq, meta_offset, raw_meta)
+        except Exception as exc:
+            slot.invalidate()
+            error = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"
+            logger.error("[RANK %d] %s", self.rank, error)
+            if persist is not None:
+                persist.set_result(PersistResult(step, False, error))
+            return error
+        if persist is not None:
+            self._request_persist(index, slot, step, seq, persist)
+        return None
+
+    def _request_persist(self, index: int, slot: Slot, step: int, seq: int, outcome: Future) -> None:
+        try:
+            self._client.connect()
+        except SaverProcessError as exc:
+            error = f"step {step} stays in memory only: {exc}"
+            logger.error("[RANK %d] %s", self.rank, error)
+            outcome.set_result(PersistResult(step, False, error))
+            return
+        slot.mark_persist_requested(seq)
+        reply = self._client.request({
+            "op": "persist", "rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq,
+            "slot": slot.path, "root": self.url, "storage_options": self.config.storage_options,
+            "storage_factory": self.config.storage_factory, "layout": self.layout.to_dict(),
+            "retention": self.config.retention.to_dict(), "commit_timeout": self.config.commit_timeout_s,
+        })
+        self._persisting[index] = reply
+        reply.add_done_callback(lambda f: self._await_commit(step, f, outcome))
+
+    def _await_commit(self, step: int, reply: Future, outcome: Future) -> None:
+        """Resolve ``outcome`` once storage says committed/failed (runs off the caller)."""
+
+        def poll() -> None:
+            try:
+                answer = reply.result()
+            except Exception as exc:
+                answer = {"ok": False, "error": str(exc)}
+            if not answer.get("ok"):
+                error = f"rank {self.rank} could not persist step {step}: {answer.get('error')}"
+                logger.error("[RANK %d] %s", self.rank, error)
+                outcome.set_result(PersistResult(step, False, error))
+                return
+            outcome.set_result(self._poll_commit(step))
+
+        threading.Thread(target=poll, name=f"flashckpt-commit-{step}", daemon=True).start()
+
+    def _poll_commit(self, step: int) -> PersistResult:
+        deadline = time.monotonic() + self.config.commit_timeout_s + 30
+        marker_dir = Layout.marker_dir(step)
+        delay = 0.005
+        while time.monotonic() < deadline:
+            try:
+                names = set(self.storage.list(marker_dir))
+                if "COMMITTED" in names:
+                    return PersistResult(step, True)
+                if FAILED in names:
+                    reason = read_json(self.storage, f"{marker_dir}/{FAILED}").get("reason")
+                    logger.error("[RANK %d] step %d was not committed: %s", self.rank, step, reason)
+                    return PersistResult(step, False, reason)
+            except FlashCkptError as exc:
+                logger.warning("[RANK %d] cannot read commit state of step %d: %s", self.rank, step, exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+        return PersistResult(step, False, f"no commit of step {step} appeared within the commit timeout")
+
+    def _choose_slot(self) -> tuple[int | None, str | None]:
+        """Pick a slot not being persisted, preferring the one without the newest snapshot."""
+        deadline = time.monotonic() + self.config.busy_timeout_s
+        while True:
+            free = [i for i in range(2) if not self._busy(i)]
+            if free:
+                newest = self._newest_index()
+                others = [i for i in free if i != newest]
+                return (others or free)[0], None
+            reason = (
+                f"both shared-memory slots of rank {self.rank} are still being persisted "
+                "(storage is slower than the save interval)"
+            )
+            if self.config.on_slot_busy is BusyPolicy.SKIP or time.monotonic() > deadline:
+                return None, reason + "; this save was skipped. Save less often or use faster storage."
+            time.sleep(0.01)
+
+    def _busy(self, index: int) -> bool:
+        pending = self._persisting[index]
+        if pending is not None and not pending.done():
+            return True
+        slot = self._slot(index)
+        return slot is not None and _locked_by_saver(slot)
+
+    def _slot(self, index: int) -> Slot | None:
+        if self._slots[index] is None:
+            self._slots[index] = Slot.attach(self.slot_paths[index])
+        return self._slots[index]
+
+    def _ensure_slot(self, index: int, nbytes: int, *, pin: bool) -> Slot:
+        slot = self._slots[index]
+        if slot is None:
+            slot = self._slots[index] = Slot.create_or_open(self.slot_paths[index], nbytes)
+        else:
+            slot.ensure_size(nbytes)
+        if pin and self.config.pin_memory:
+            slot.pin()
+        return slot
+
+    def _newest_index(self) -> int | None:
+        best, best_seq = None, -1
+        for index in range(2):
+            slot = self._slot(index)
+            header = slot.read_header() if slot is not None else None
+            if header is not None and header.state is SlotState.COMPLETE and header.seq > best_seq:
+                best, best_seq = index, header.seq
+        return best
+
+    def _newest_seq(self) -> int:
+        seqs = [0]
+        for index in range(2):
+            with contextlib.suppress(FlashCkptError):
+                slot = self._slot(index)
+                header = slot.read_header() if slot is not None else None
+                if header is not None:
+                    seqs.append(header.seq)
+        return max(seqs)
+
+    def _finish(self, result: SaveResult, started: float) -> SaveResult:
+        result.blocking_s = time.perf_counter() - started
+        if result.status in (SaveStatus.SKIPPED, SaveStatus.FAILED):
+            logger.error("[RANK %d] save of step %d %s: %s", self.rank, result.step, result.status.value, result.reason)
+        else:
+            self._results.append(result)
+            logger.debug("[RANK %d] step %d %s, blocked %.3fs", self.rank, result.step, result.status.value,
+                         result.blocking_s)
+        return result
+
+    # --- loading internals -----------------------------------------------------------------
+
+    def _memory_snapshots(self) -> dict[int, tuple[Slot, dict[str, Any]]]:
+        """Complete, checksum-verified snapshots of this rank, by step (newest seq wins)."""
+        found: dict[int, tuple[int, Slot, dict[str, Any]]] = {}
+        for index in range(2):
+            try:
+                slot = self._slot(index)
+                header = slot.read_header() if slot is not None else None
+                if header is None or header.state is not SlotState.COMPLETE:
+                    continue
+                meta = slot.read_metadata(header)
+            except CorruptCheckpointError as exc:
+                logger.error("[RANK %d] ignoring corrupt snapshot: %s; falling back to storage", self.rank, exc)
+                continue
+            if meta.get("rank") != self.rank or meta.get("world_size") != self.world_size:
+                logger.warning("[RANK %d] snapshot of step %s was taken by rank %s of %s ranks; not used",
+                               self.rank, header.step, meta.get("rank"), meta.get("world_size"))
+                continue
+            if header.step not in found or found[header.step][0] < header.seq:
+                found[header.step] = (header.seq, slot, meta)
+        return {step: (slot, meta) for step, (_, slot, meta) in found.items()}
+
+    def _load_from_storage(self, step: int, weights_only: bool, map_location: Any) -> dict[str, Any]:
+        record = commit_record(self.storage, step)
+        if record is None:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed in {self.url}; committed steps: {self.committed_steps()}"
+            )
+        if record["world_size"] != self.world_size:
+            raise LayoutMismatchError(
+                f"step {step} was saved by {record['world_size']} ranks and this job has {self.world_size}; "
+                "read the files you need with Checkpointer.read_file() or use an adapter that reshards"
+            )
+        marker = read_json(self.storage, self.layout.rank_marker(step, self.rank))
+        base = self.layout.step_path(step)
+        return {
+            entry["path"]: read_file(self.storage, f"{base}/{entry['path']}", Codec(entry["codec"]),
+                                     expected=entry, weights_only=weights_only, map_location=map_location)
+            for entry in marker["files"]
+        }
+
+    # --- shutdown --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FlashCkptError("this Checkpointer is closed; create a new one")
+
+    def _shutdown(self, clean: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        for hook in self._hooks:
+            hook.remove()
+        self._copier.shutdown(wait=True)
+        self._client.close(clean=clean)
+        for slot in self._slots:
+            if slot is not None:
+                if clean:
+                    slot.unlink()
+                slot.close()
+        self._slots = [None, None]
+
+
+class _AtExit:
+    """At interpreter exit: wait for in-flight persisting, keep memory for a restart."""
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self._ref = weakref.ref(checkpointer)
+
+    def __call__(self) -> None:
+        checkpointer = self._ref()
+        if checkpointer is None or checkpointer._closed:
+            return
+        try:
+            checkpointer.wait()
+        except Exception as exc:
+            logger.error("[RANK %d] in-flight checkpoints did not finish at exit: %s", checkpointer.rank, exc)
+        checkpointer._shutdown(clean=False)
+
+
+def _dumps(meta: dict[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+def _locked_by_saver(slot: Slot) -> bool:
+    """The saver holds an exclusive lock on a slot file while it persists it."""
+    fd = os.open(slot.path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def _on_device(plan: Any) -> bool:
+    return any(r.source.device.type != "cpu" for r in plan.regions)
+
+
+def _devices(plan: Any) -> set[torch.device]:
+    return {r.source.device for r in plan.regions if r.source.device.type != "cpu"}
+
+
+def _record_device_events(plan: Any) -> list[Any]:
+    """Mark, on each device's current stream, the point the snapshot must see."""
+    events = []
+    for device in _devices(plan):
+        module = torch.get_device_module(device.type)
+        event = module.Event()
+        event.record(module.current_stream(device))
+        events.append(event)
+    return events
+
+
+def _wait_device_events(events: list[Any]) -> None:
+    for event in events:
+        event.synchronize()
+
+
+def _synchronize_devices(plan: Any) -> None:
+    for device in _devices(plan):
+        torch.get_device_module(device.type).synchronize(device)
+
+
+def _is_files(target: Any) -> bool:
+    return isinstance(target, Mapping) and all(isinstance(v, FileSpec) for v in target.values()) and bool(target)
+
+
+def _copy_into_target(files: dict[str, Any], target_files: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for path, loaded in files.items():
+        target = target_files.get(path)
+        target = target.obj if isinstance(target, FileSpec) else target
+        out[path] = _merge(loaded, target, path)
+    return out
+
+
+def _merge(loaded: Any, target: Any, where: str) -> Any:
+    """Copy ``loaded`` tensors into ``target``'s, matching by structure; clone the rest."""
+    if isinstance(loaded, torch.Tensor):
+        if isinstance(target, torch.Tensor):
+            if target.shape != loaded.shape or target.dtype != loaded.dtype:
+                raise LayoutMismatchError(
+                    f"{where}: saved tensor is {tuple(loaded.shape)} {loaded.dtype}, the target is "
+                    f"{tuple(target.shape)} {target.dtype}"
+                )
+            with torch.no_grad():
+                target.copy_(loaded)
+            return target
+        return loaded.clone()
+    if isinstance(loaded, Mapping):
+        items = {k: _merge(v, target.get(k) if isinstance(target, Mapping) else None, f"{where}.{k}")
+                 for k, v in loaded.items()}
+        try:
+            return type(loaded)(items)
+        except TypeError:
+            return items
+    if isinstance(loaded, (list, tuple)) and not hasattr(loaded, "_fields"):
+        targets = target if isinstance(target, (list, tuple)) and len(target) == len(loaded) else [None] * len(loaded)
+        return type(loaded)(_merge(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(loaded, targets)))
+    return loaded

@@ -1,0 +1,361 @@
+"""The saver: one process per node per job that persists the ranks' slots to storage.
+
+It is started as its own program (``python -m flashckpt_integrations.core.saver``), never as
+a fork of a trainer, by the first rank of the node that finds none running (a lock file decides
+which). It listens on a Unix socket in the job's private run directory. For each persist
+request it writes the rank's files from its slot through the storage layer, then the rank's
+done marker; the saver that serves global rank 0 is the job's committer: it waits for every
+rank's marker, writes the commit record and the tracker, then applies retention.
+
+It outlives a crashed trainer, so the restarted trainer finds it (and its memory) again, and
+it exits once the job is over: every rank closed cleanly, or the launcher process it watches
+is gone and no rank is connected, and in either case nothing is left in flight.
+
+Wire protocol: one JSON object per line. Requests carry ``op`` ("hello", "persist", "close",
+"ping") and an ``id``; the saver answers each with ``{"id": ..., "ok": bool, "error": str}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import selectors
+import socket
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .codecs import write_file
+from .layout import COMMITTED, FAILED, Layout, committed_steps, now, write_json
+from .retention import RetentionPolicy
+from .shm_buffer import Slot, SlotState
+from .storage import Storage, storage_from_url, write_bytes
+
+logger = logging.getLogger(__name__)
+
+SOCKET_NAME = "saver.sock"
+LOCK_NAME = "saver.lock"
+LOG_NAME = "saver.log"
+COMMIT_POLL_S = 0.02
+
+
+class _Connection:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+        self.rank: int | None = None
+        self.lock = threading.Lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = (json.dumps(message) + "\n").encode()
+        with self.lock, contextlib.suppress(OSError):
+            self.sock.sendall(data)
+
+
+class Saver:
+    def __init__(self, run_dir: str, watch_pid: int | None) -> None:
+        self.run_dir = run_dir
+        self.watch_pid = watch_pid
+        self.selector = selectors.DefaultSelector()
+        self.connections: dict[int, _Connection] = {}
+        self.registered: set[int] = set()
+        self.closed_clean: set[int] = set()
+        self.executors: dict[int, ThreadPoolExecutor] = {}
+        self.commit_executor = ThreadPoolExecutor(1, thread_name_prefix="commit")
+        self.pending = 0
+        self.pending_lock = threading.Lock()
+        self.storages: dict[str, Storage] = {}
+        self.storage_lock = threading.Lock()
+        self.started = time.monotonic()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def serve(self, listener: socket.socket) -> None:
+        listener.setblocking(False)
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        logger.info("saver %d serving %s (watching pid %s)", os.getpid(), self.run_dir, self.watch_pid)
+        while not self._should_exit():
+            for key, _ in self.selector.select(timeout=0.5):
+                if key.data is None:
+                    self._accept(listener)
+                else:
+                    self._read(key.data)
+        logger.info("saver %d exiting", os.getpid())
+        for executor in [*self.executors.values(), self.commit_executor]:
+            executor.shutdown(wait=True)
+
+    def _should_exit(self) -> bool:
+        with self.pending_lock:
+            if self.pending:
+                return False
+        if self.connections:
+            return False
+        if self.registered and self.registered <= self.closed_clean:
+            logger.info("every rank closed cleanly; the job is over")
+            return True
+        if self.watch_pid and not _pid_alive(self.watch_pid):
+            logger.info("launcher pid %d is gone and no rank is connected", self.watch_pid)
+            return True
+        return False
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        conn = _Connection(sock)
+        self.connections[sock.fileno()] = conn
+        self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        conn.buffer += data
+        while b"\n" in conn.buffer:
+            line, conn.buffer = conn.buffer.split(b"\n", 1)
+            if line.strip():
+                self._handle(conn, line)
+
+    def _drop(self, conn: _Connection) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(conn.sock)
+        self.connections.pop(conn.sock.fileno(), None)
+        conn.sock.close()
+        if conn.rank is not None and conn.rank not in self.closed_clean:
+            logger.warning("rank %d disconnected without closing (crashed or killed)", conn.rank)
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _handle(self, conn: _Connection, line: bytes) -> None:
+        try:
+            request = json.loads(line)
+            op = request["op"]
+        except (ValueError, KeyError) as exc:
+            conn.send({"id": None, "ok": False, "error": f"bad request: {exc}"})
+            return
+        rid = request.get("id")
+        if op == "hello":
+            conn.rank = int(request["rank"])
+            self.registered.add(conn.rank)
+            self.closed_clean.discard(conn.rank)
+            conn.send({"id": rid, "ok": True, "pid": os.getpid()})
+        elif op == "ping":
+            conn.send({"id": rid, "ok": True, "pid": os.getpid()})
+        elif op == "close":
+            if request.get("clean"):
+                self.closed_clean.add(int(request["rank"]))
+            conn.send({"id": rid, "ok": True})
+        elif op == "persist":
+            self._submit(conn, request)
+        else:
+            conn.send({"id": rid, "ok": False, "error": f"unknown op {op!r}"})
+
+    def _submit(self, conn: _Connection, request: dict[str, Any]) -> None:
+        rank = int(request["rank"])
+        with self.pending_lock:
+            self.pending += 1
+        executor = self.executors.get(rank)
+        if executor is None:
+            executor = self.executors[rank] = ThreadPoolExecutor(1, thread_name_prefix=f"persist-r{rank}")
+        executor.submit(self._persist_and_reply, conn, request)
+
+    def _persist_and_reply(self, conn: _Connection, request: dict[str, Any]) -> None:
+        try:
+            reply = {"id": request.get("id"), "ok": True, "error": None}
+            try:
+                self.persist(request)
+            except Exception as exc:  # reported to the rank and logged; the saver carries on
+                logger.error("persist of step %s rank %s failed: %s\n%s", request.get("step"),
+                             request.get("rank"), exc, traceback.format_exc())
+                reply.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            conn.send(reply)
+            if int(request["rank"]) == 0:
+                with self.pending_lock:
+                    self.pending += 1
+                self.commit_executor.submit(self._commit_and_release, request)
+        finally:
+            with self.pending_lock:
+                self.pending -= 1
+
+    def _commit_and_release(self, request: dict[str, Any]) -> None:
+        try:
+            self.commit(request)
+        finally:
+            with self.pending_lock:
+                self.pending -= 1
+
+    def _storage(self, request: dict[str, Any]) -> Storage:
+        spec = [request["root"], request.get("storage_options"), request.get("storage_factory")]
+        key = json.dumps(spec, sort_keys=True)
+        with self.storage_lock:
+            if key not in self.storages:
+                self.storages[key] = storage_from_url(
+                    request["root"], request.get("storage_options"), request.get("storage_factory")
+                )
+            return self.storages[key]
+
+    def persist(self, request: dict[str, Any]) -> None:
+        """Write one rank's files for one step, then its done marker (or failed marker)."""
+        rank, step, seq = int(request["rank"]), int(request["step"]), int(request["seq"])
+        layout = Layout(**request["layout"])
+        storage = self._storage(request)
+        started = time.monotonic()
+        slot = Slot.attach(request["slot"])
+        if slot is None:
+            raise FileNotFoundError(f"slot {request['slot']} does not exist")
+        slot.lock()  # released when the slot's file is closed
+        try:
+            try:
+                metadata = _checked_metadata(slot, step, seq)
+                base = layout.write_path(step)
+                entries = []
+                for fmeta in metadata["files"]:
+                    entry = write_file(storage, f"{base}/{fmeta['path']}", fmeta, metadata["regions"], slot)
+                    entry["path"] = fmeta["path"]
+                    entry["codec"] = fmeta["codec"]
+                    entries.append(entry)
+                _checked_metadata(slot, step, seq)  # the trainer never writes a slot in persist
+                write_json(storage, layout.rank_marker(step, rank), {
+                    "rank": rank, "step": step, "world_size": request["world_size"],
+                    "files": entries, "time": now(),
+                })
+            except Exception as exc:
+                with contextlib.suppress(Exception):
+                    write_json(storage, layout.rank_marker(step, rank, ok=False),
+                               {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"})
+                raise
+            finally:
+                slot.mark_persist_done(seq)
+        finally:
+            slot.close()
+        total = sum(e["size"] for e in entries)
+        elapsed = time.monotonic() - started
+        logger.info("rank %d step %d persisted: %d files, %.1f MiB in %.2fs", rank, step, len(entries),
+                    total / 2**20, elapsed)
+
+    def commit(self, request: dict[str, Any]) -> None:
+        """Committer (the saver of global rank 0): commit once every rank's marker exists."""
+        step, world_size = int(request["step"]), int(request["world_size"])
+        layout = Layout(**request["layout"])
+        storage = self._storage(request)
+        marker_dir = layout.marker_dir(step)
+        deadline = time.monotonic() + float(request.get("commit_timeout", 600))
+        try:
+            while True:
+                names = set(storage.list(marker_dir))
+                if COMMITTED in names or FAILED in names:
+                    return
+                failed = sorted(r for r in range(world_size) if f"rank-{r}.failed" in names)
+                missing = [r for r in range(world_size) if f"rank-{r}.done" not in names]
+                if failed:
+                    raise RuntimeError(f"ranks {failed} failed to persist step {step}")
+                if not missing:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks {missing[:16]}{'...' if len(missing) > 16 else ''} did not persist step "
+                        f"{step} within {request.get('commit_timeout')}s"
+                    )
+                time.sleep(COMMIT_POLL_S)
+            if layout.staging:
+                storage.rename(layout.write_path(step), layout.step_path(step))
+            write_json(storage, f"{marker_dir}/{COMMITTED}", {
+                "step": step, "world_size": world_size, "step_dir": layout.step_path(step), "time": now(),
+            })
+            committed = committed_steps(storage)
+            if layout.tracker and committed and committed[-1] == step:
+                write_bytes(storage, layout.tracker, layout.tracker_bytes(step))
+            logger.info("step %d committed (%d ranks)", step, world_size)
+        except Exception as exc:
+            logger.error("commit of step %d failed: %s", step, exc)
+            with contextlib.suppress(Exception):
+                write_json(storage, f"{marker_dir}/{FAILED}", {"step": step, "reason": str(exc), "time": now()})
+            return
+        self.purge(storage, layout, RetentionPolicy(**(request.get("retention") or {})))
+
+    def purge(self, storage: Storage, layout: Layout, policy: RetentionPolicy) -> None:
+        """Delete what the retention policy lets go; a failure is logged and retention goes on."""
+        if not policy.enabled:
+            return
+        for step in policy.select_deletions(committed_steps(storage)):
+            started = time.monotonic()
+            try:
+                storage.remove(f"{layout.marker_dir(step)}/{COMMITTED}")
+                storage.remove(layout.step_path(step))
+                storage.remove(layout.marker_dir(step))
+            except Exception as exc:
+                logger.error("retention could not delete step %d: %s", step, exc)
+                continue
+            logger.info("retention deleted step %d in %.2fs", step, time.monotonic() - started)
+
+
+def _checked_metadata(slot: Slot, step: int, seq: int) -> dict[str, Any]:
+    header = slot.read_header()
+    if header is None or header.state != SlotState.COMPLETE or header.seq != seq or header.step != step:
+        raise RuntimeError(
+            f"slot {slot.path} no longer holds step {step} (seq {seq}): found "
+            f"{header and (header.state.name, header.step, header.seq)}"
+        )
+    return slot.read_metadata(header)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="flashckpt node saver (started by the trainers)")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--watch-pid", type=int, default=None)
+    parser.add_argument("--log-level", default=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s saver[%(process)d] %(levelname)s %(message)s")
+
+    lock_fd = os.open(os.path.join(args.run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        logger.info("another saver holds the lock for %s; exiting", args.run_dir)
+        return 0
+    path = os.path.join(args.run_dir, SOCKET_NAME)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old_umask)
+    listener.listen(256)
+    try:
+        Saver(args.run_dir, args.watch_pid).serve(listener)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        listener.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

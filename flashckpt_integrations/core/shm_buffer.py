@@ -1,0 +1,318 @@
+"""Shared-memory slots: one rank's snapshot lives in one slot, two slots per rank.
+
+A slot is a file in ``/dev/shm`` (mode 0600, owned by the user) mapped into the trainer and
+the saver. Its first 4 KiB are a header; tensor regions and blobs follow; the JSON metadata
+that describes them sits after the data::
+
+    offset  size  field
+    0       8     magic  b"FLSHCKPT"
+    8       4     format version
+    12      4     state: 0 empty, 1 writing, 2 complete
+    16      8     step (signed)
+    24      8     seq: a per-rank save counter
+    32      8     metadata offset
+    40      8     metadata length
+    48      4     crc32 of the metadata
+    56      8     persist_req: the seq the trainer asked the saver to persist
+    64      8     persist_done: the seq the saver finished persisting (ok or failed)
+
+The trainer writes ``state=writing`` before it touches the data and ``state=complete`` last,
+after the metadata and its checksum, so a crash mid-copy leaves a slot that is never loaded.
+The saver only writes ``persist_done``; a slot whose ``persist_req > persist_done`` is being
+persisted and is never overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+import stat
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError, SharedMemoryError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"FLSHCKPT"
+VERSION = 1
+HEADER_SIZE = 4096
+_HEAD = struct.Struct("<8sIIqqqqI")  # magic .. meta crc, 52 bytes
+_OFF_STATE = 12
+_OFF_PERSIST_REQ = 56
+_OFF_PERSIST_DONE = 64
+_U64 = struct.Struct("<q")
+_U32 = struct.Struct("<I")
+GROWTH = 1.10
+"""A slot grows to this factor of what a save needs, so small growth does not remap each save."""
+
+
+class SlotState(IntEnum):
+    EMPTY = 0
+    WRITING = 1
+    COMPLETE = 2
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    state: SlotState
+    step: int
+    seq: int
+    meta_offset: int
+    meta_len: int
+    meta_crc: int
+    persist_req: int
+    persist_done: int
+
+    @property
+    def persisting(self) -> bool:
+        return self.persist_req > self.persist_done
+
+
+def shm_free_bytes(shm_dir: str) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+class Slot:
+    """One mapped shared-memory segment. Not thread-safe: one writer at a time."""
+
+    def __init__(self, path: str, fd: int, size: int, populate: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self.size = size
+        self._mm: mmap.mmap | None = None
+        self._tensor: torch.Tensor | None = None
+        self._pinned = False
+        self._map(populate)
+
+    # --- creation and attachment -----------------------------------------------------------
+
+    @classmethod
+    def create_or_open(cls, path: str, min_size: int) -> Slot:
+        """Open the slot at ``path``, creating it (0600, pre-faulted) or growing it as needed."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise SharedMemoryError(f"cannot create shared-memory slot {path}: {exc}") from exc
+        try:
+            _check_owner(path, fd)
+            size = os.fstat(fd).st_size
+            if size < min_size:
+                size = _grow(path, fd, size, min_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, size, populate=True)
+
+    @classmethod
+    def attach(cls, path: str, *, writable: bool = True) -> Slot | None:
+        """Map an existing slot, or return ``None`` when there is none."""
+        try:
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SharedMemoryError(f"cannot open shared-memory slot {path}: {exc}") from exc
+        try:
+            _check_owner(path, fd)
+            size = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+        if size < HEADER_SIZE:
+            os.close(fd)
+            return None
+        return cls(path, fd, size, populate=False)
+
+    def _map(self, populate: bool) -> None:
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._mm = mmap.mmap(self._fd, self.size, flags=flags)
+        self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def ensure_size(self, min_size: int) -> None:
+        """Grow the slot to hold ``min_size`` bytes; existing bytes are kept."""
+        if min_size <= self.size:
+            return
+        was_pinned = self._pinned
+        self._unmap()
+        self.size = _grow(self.path, self._fd, self.size, min_size)
+        self._map(populate=True)
+        if was_pinned:
+            self.pin()
+
+    def _unmap(self) -> None:
+        self.unpin()
+        self._tensor = None
+        if self._mm is not None:
+            # Tensors that still view the mapping keep it alive; it is unmapped when they go.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+    def close(self) -> None:
+        self._unmap()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def lock(self) -> None:
+        """Hold an exclusive lock on the slot file (the saver, while it persists the slot)."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    # --- page-locking for device-to-host copies --------------------------------------------
+
+    def pin(self) -> bool:
+        """Page-lock the mapping for the current accelerator, so device copies run async."""
+        if self._pinned or not torch.cuda.is_available():
+            return self._pinned
+        ptr = self._tensor.data_ptr()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
+        self._pinned = int(err) == 0
+        if not self._pinned:
+            logger.warning("cudaHostRegister of %s failed (%s); device copies will be synchronous", self.path, err)
+        return self._pinned
+
+    def unpin(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
+            self._pinned = False
+
+    # --- header ----------------------------------------------------------------------------
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """A uint8 tensor over the whole slot (no copy)."""
+        return self._tensor
+
+    def read_header(self) -> SlotHeader | None:
+        """Return the header, or ``None`` for a slot that never held a snapshot."""
+        magic, version, state, step, seq, meta_off, meta_len, crc = _HEAD.unpack_from(self._mm, 0)
+        if magic != MAGIC:
+            return None
+        if version != VERSION:
+            raise CorruptCheckpointError(
+                f"slot {self.path} has format version {version}, this package reads {VERSION}; "
+                "remove stale slots with `flashckpt clean` or restart with a new job id"
+            )
+        try:
+            state = SlotState(state)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"slot {self.path} has an invalid state {state}") from exc
+        req = _U64.unpack_from(self._mm, _OFF_PERSIST_REQ)[0]
+        done = _U64.unpack_from(self._mm, _OFF_PERSIST_DONE)[0]
+        return SlotHeader(state, step, seq, meta_off, meta_len, crc, req, done)
+
+    def begin_write(self, step: int, seq: int) -> None:
+        """Mark the slot as being written; from here on it is not loadable."""
+        _U32.pack_into(self._mm, _OFF_STATE, SlotState.WRITING)
+        header = self.read_header()
+        req = header.persist_req if header else 0
+        done = header.persist_done if header else 0
+        _HEAD.pack_into(self._mm, 0, MAGIC, VERSION, SlotState.WRITING, step, seq, 0, 0, 0)
+        _U64.pack_into(self._mm, _OFF_PERSIST_REQ, max(req, done))
+        _U64.pack_into(self._mm, _OFF_PERSIST_DONE, max(req, done))
+
+    def write_blob(self, offset: int, data: bytes) -> None:
+        self._mm[offset : offset + len(data)] = data
+
+    def finish_write(self, step: int, seq: int, meta_offset: int, raw: bytes) -> None:
+        """Write the (JSON) metadata and its checksum, then mark the slot complete."""
+        if meta_offset + len(raw) > self.size:
+            raise SharedMemoryError(f"slot {self.path} is too small for its metadata; this is a bug")
+        self._mm[meta_offset : meta_offset + len(raw)] = raw
+        crc = zlib.crc32(raw)
+        _HEAD.pack_into(self._mm, 0, MAGIC, VERSION, SlotState.WRITING, step, seq, meta_offset, len(raw), crc)
+        _U32.pack_into(self._mm, _OFF_STATE, SlotState.COMPLETE)
+
+    def mark_persist_requested(self, seq: int) -> None:
+        _U64.pack_into(self._mm, _OFF_PERSIST_REQ, seq)
+
+    def mark_persist_done(self, seq: int) -> None:
+        _U64.pack_into(self._mm, _OFF_PERSIST_DONE, seq)
+
+    def invalidate(self) -> None:
+        _U32.pack_into(self._mm, _OFF_STATE, SlotState.EMPTY)
+
+    def read_metadata(self, header: SlotHeader) -> dict[str, Any]:
+        """Return the metadata of a complete slot, checking its bounds and checksum."""
+        end = header.meta_offset + header.meta_len
+        if header.meta_offset < HEADER_SIZE or end > self.size or header.meta_len <= 0:
+            raise CorruptCheckpointError(
+                f"slot {self.path}: metadata range [{header.meta_offset}, {end}) is outside the "
+                f"slot of {self.size} bytes"
+            )
+        raw = bytes(self._mm[header.meta_offset : end])
+        if zlib.crc32(raw) != header.meta_crc:
+            raise CorruptCheckpointError(
+                f"slot {self.path}: metadata checksum mismatch for step {header.step}; the slot is "
+                "corrupt and will not be loaded"
+            )
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"slot {self.path}: metadata is not valid JSON: {exc}") from exc
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if offset < 0 or offset + nbytes > self.size:
+            raise CorruptCheckpointError(
+                f"slot {self.path}: range [{offset}, {offset + nbytes}) is outside the slot of {self.size} bytes"
+            )
+        return self._tensor[offset : offset + nbytes]
+
+    def read_bytes(self, offset: int, nbytes: int) -> bytes:
+        if offset < 0 or offset + nbytes > self.size:
+            raise CorruptCheckpointError(f"slot {self.path}: blob range is outside the slot")
+        return bytes(self._mm[offset : offset + nbytes])
+
+    def storage(self, offset: int, nbytes: int) -> torch.UntypedStorage:
+        """An untyped storage that starts at ``offset`` (no copy)."""
+        self.view(offset, nbytes)
+        return torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
+
+
+def _check_owner(path: str, fd: int) -> None:
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise SharedMemoryError(
+            f"shared-memory slot {path} is owned by uid {st.st_uid} with mode "
+            f"{oct(stat.S_IMODE(st.st_mode))}; expected uid {os.getuid()} and mode 0600. "
+            "Another user or job is using this name: set a distinct job_id."
+        )
+
+
+def _grow(path: str, fd: int, size: int, min_size: int) -> int:
+    new_size = max(int(min_size * GROWTH), HEADER_SIZE)
+    new_size = (new_size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    free = shm_free_bytes(os.path.dirname(path))
+    if new_size - size > free:
+        raise SharedMemoryError(
+            f"not enough shared memory for slot {path}: it needs {new_size - size} more bytes, "
+            f"{os.path.dirname(path)} has {free} free. Give the container a larger /dev/shm "
+            "(docker --shm-size, a Kubernetes memory-backed emptyDir) or save less per rank."
+        )
+    try:
+        os.posix_fallocate(fd, 0, new_size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            os.ftruncate(fd, size)
+            raise SharedMemoryError(
+                f"shared memory ran out while growing slot {path} to {new_size} bytes: {exc}"
+            ) from exc
+        os.ftruncate(fd, new_size)
+    logger.debug("slot %s grown from %d to %d bytes", path, size, new_size)
+    return new_size

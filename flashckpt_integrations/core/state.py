@@ -1,0 +1,386 @@
+"""Turn a rank's files into a snapshot plan, and turn a snapshot back into objects.
+
+A rank saves ``files``: ``{relative path: FileSpec(obj, codec)}``. Packing a file never copies
+tensor bytes; it produces
+
+* ``regions``: the tensor bytes to copy into the slot, each a contiguous byte range. For the
+  ``torch`` codec a region is a whole tensor storage, so tensors that share a storage are
+  stored once and come back sharing (as ``torch.save`` does). For ``safetensors`` a region is
+  one tensor, laid out contiguously as the format wants.
+* one ``blob`` per file: the small non-tensor part (the pickle of a ``torch`` file, the header
+  of a safetensors file, the bytes of a ``bytes``/``json`` file).
+* JSON metadata telling the saver how to assemble each file from its blob and regions.
+
+The saver writes files from that description alone: it never unpickles anything, so it never
+needs the user's classes. Loading a ``torch`` file from memory goes through torch's
+``weights_only`` unpickler; arbitrary objects need ``weights_only=False`` or
+``torch.serialization.add_safe_globals``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import pickle
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+ALIGN = 64
+
+
+class Codec(str, Enum):
+    """How a file is encoded on storage."""
+
+    TORCH = "torch"
+    """``torch.save`` format (a zip with ``data.pkl``); loads with ``torch.load``."""
+    SAFETENSORS = "safetensors"
+    """A flat ``{name: tensor}`` dict in the safetensors format."""
+    BYTES = "bytes"
+    """Raw bytes, written as they are."""
+    JSON = "json"
+    """A JSON-serialisable object, written as UTF-8 JSON."""
+
+
+@dataclass
+class FileSpec:
+    """One file of a rank's checkpoint: the object and the codec that writes it."""
+
+    obj: Any
+    codec: Codec = Codec.TORCH
+    metadata: dict[str, str] | None = None
+    """safetensors only: the ``__metadata__`` string map of the file."""
+
+    def __post_init__(self) -> None:
+        self.codec = Codec(self.codec)
+
+
+@dataclass
+class Region:
+    """A contiguous byte range of the slot and the tensor whose bytes go there."""
+
+    source: torch.Tensor
+    """A uint8 view of a whole storage (torch codec) or the tensor itself (safetensors)."""
+    nbytes: int
+    offset: int = -1
+
+
+@dataclass
+class FilePlan:
+    path: str
+    codec: Codec
+    blob: bytes
+    storages: dict[str, int] = field(default_factory=dict)
+    """torch: storage key in ``data.pkl`` -> region index."""
+    tensors: list[int] = field(default_factory=list)
+    """safetensors: region indices in file order."""
+
+
+@dataclass
+class SnapshotPlan:
+    regions: list[Region]
+    files: list[FilePlan]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+    def layout(self, start: int) -> int:
+        """Assign offsets to regions, then blobs, from ``start``; return the end offset."""
+        offset = start
+        for region in self.regions:
+            region.offset = offset
+            offset = align(offset + region.nbytes)
+        self._blob_offsets = []
+        for plan in self.files:
+            self._blob_offsets.append(offset)
+            offset = align(offset + len(plan.blob))
+        return offset
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "regions": [[r.offset, r.nbytes] for r in self.regions],
+            "files": [
+                {
+                    "path": f.path,
+                    "codec": f.codec.value,
+                    "blob": [off, len(f.blob)],
+                    "storages": f.storages,
+                    "tensors": f.tensors,
+                }
+                for f, off in zip(self.files, self._blob_offsets)
+            ],
+        }
+
+    def blobs(self) -> list[tuple[int, bytes]]:
+        return [(off, f.blob) for f, off in zip(self.files, self._blob_offsets)]
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def normalize_files(files: Mapping[str, Any]) -> dict[str, FileSpec]:
+    """Accept ``FileSpec``, ``(obj, codec)`` tuples or bare objects (torch codec)."""
+    out: dict[str, FileSpec] = {}
+    for path, spec in files.items():
+        if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(
+                f"file path {path!r} must be a non-empty relative path inside the step directory"
+            )
+        if isinstance(spec, FileSpec):
+            out[path] = spec
+        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], (Codec, str)):
+            out[path] = FileSpec(spec[0], Codec(spec[1]))
+        else:
+            out[path] = FileSpec(spec)
+    return out
+
+
+def plan_snapshot(files: Mapping[str, FileSpec]) -> SnapshotPlan:
+    """Pack ``files`` without copying tensor bytes."""
+    regions: list[Region] = []
+    by_storage: dict[int, int] = {}
+    plans = []
+    for path, spec in files.items():
+        packer = _PACKERS[spec.codec]
+        plans.append(packer(path, spec, regions, by_storage))
+    return SnapshotPlan(regions, plans)
+
+
+def _storage_region(storage: torch.UntypedStorage, regions: list[Region], by_storage: dict[int, int]) -> int:
+    key = storage._cdata
+    index = by_storage.get(key)
+    if index is None:
+        source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        index = len(regions)
+        regions.append(Region(source, storage.nbytes()))
+        by_storage[key] = index
+    return index
+
+
+def _pack_torch(path: str, spec: FileSpec, regions: list[Region], by_storage: dict[int, int]) -> FilePlan:
+    plan = FilePlan(path, Codec.TORCH, b"")
+    keys: dict[int, str] = {}
+    dtypes: dict[int, torch.dtype] = {}
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+                return None
+            if isinstance(obj, torch.storage.TypedStorage):
+                storage = obj._untyped_storage
+                dtype = obj.dtype
+                storage_type = getattr(torch, obj._pickle_storage_type())
+                numel = obj._size()
+            else:
+                storage, dtype, storage_type, numel = obj, torch.uint8, torch.UntypedStorage, obj.nbytes()
+            if storage.device.type == "meta":
+                raise ValueError(
+                    f"{path}: a tensor on the 'meta' device has no data to checkpoint; "
+                    "materialise it (e.g. with to_empty()) before saving"
+                )
+            if storage.data_ptr() != 0 and dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
+                raise ValueError(
+                    f"{path}: two tensors view the same storage as {dtypes[storage.data_ptr()]} "
+                    f"and {dtype}; torch.load cannot restore that. Save a .clone() of one of them."
+                )
+            key = keys.setdefault(storage._cdata, str(len(keys)))
+            plan.storages[key] = _storage_region(storage, regions, by_storage)
+            location = torch.serialization.location_tag(storage)
+            return ("storage", storage_type, key, location, numel)
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(spec.obj)
+    plan.blob = buf.getvalue()
+    return plan
+
+
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+ST_DTYPE_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _pack_safetensors(path: str, spec: FileSpec, regions: list[Region], by_storage: dict[int, int]) -> FilePlan:
+    obj = spec.obj
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        raise ValueError(f"{path}: the safetensors codec takes a flat dict of str -> torch.Tensor")
+    header: dict[str, Any] = {}
+    if spec.metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in spec.metadata.items()}
+    seen: dict[tuple[int, int], str] = {}
+    plan = FilePlan(path, Codec.SAFETENSORS, b"")
+    offset = 0
+    for name, tensor in obj.items():
+        if tensor.dtype not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"{path}: tensor {name!r} is {tensor.layout}; make it dense with .to_dense() first")
+        ident = (tensor.untyped_storage()._cdata, tensor.storage_offset())
+        if tensor.numel() and ident in seen:
+            raise ValueError(
+                f"{path}: tensors {seen[ident]!r} and {name!r} share memory, which safetensors cannot "
+                "represent; drop one of them (tied weights) or use the torch codec"
+            )
+        seen[ident] = name
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+        plan.tensors.append(len(regions))
+        regions.append(Region(tensor.detach(), nbytes))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    plan.blob = struct.pack("<Q", len(raw)) + raw
+    return plan
+
+
+def _pack_bytes(path: str, spec: FileSpec, regions: list[Region], by_storage: dict[int, int]) -> FilePlan:
+    if not isinstance(spec.obj, (bytes, bytearray, memoryview)):
+        raise ValueError(f"{path}: the bytes codec takes bytes, got {type(spec.obj).__name__}")
+    return FilePlan(path, Codec.BYTES, bytes(spec.obj))
+
+
+def _pack_json(path: str, spec: FileSpec, regions: list[Region], by_storage: dict[int, int]) -> FilePlan:
+    try:
+        blob = json.dumps(spec.obj, indent=2, sort_keys=False).encode()
+    except TypeError as exc:
+        raise ValueError(f"{path}: the json codec cannot encode this object: {exc}") from exc
+    return FilePlan(path, Codec.JSON, blob)
+
+
+_PACKERS = {
+    Codec.TORCH: _pack_torch,
+    Codec.SAFETENSORS: _pack_safetensors,
+    Codec.BYTES: _pack_bytes,
+    Codec.JSON: _pack_json,
+}
+
+
+def copy_regions(plan: SnapshotPlan, slot: torch.Tensor) -> None:
+    """Copy every region's bytes into ``slot`` (a uint8 tensor over the slot)."""
+    for region in plan.regions:
+        if region.nbytes == 0:
+            continue
+        dst = slot[region.offset : region.offset + region.nbytes]
+        src = region.source
+        non_blocking = src.device.type != "cpu"
+        if src.dtype == torch.uint8 and src.dim() == 1:
+            dst.copy_(src, non_blocking=non_blocking)
+        else:
+            dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)
+
+
+# --- loading -------------------------------------------------------------------------------
+
+SAFE_GLOBALS: list[Any] = [argparse.Namespace]
+"""Classes the ``weights_only`` unpickler accepts beyond torch's defaults."""
+
+
+def _restore_location(storage: torch.UntypedStorage, location: str, map_location: Any) -> torch.UntypedStorage:
+    if map_location is None:
+        return torch.serialization.default_restore_location(storage, location)
+    if callable(map_location):
+        result = map_location(storage, location)
+        return storage if result is None else result
+    device = torch.device(map_location if not isinstance(map_location, dict) else map_location.get(location, location))
+    return storage if device.type == "cpu" else storage.to(device=device)
+
+
+def unpickle_torch(
+    blob: bytes,
+    storage_for_key: Any,
+    *,
+    weights_only: bool = True,
+    map_location: Any = None,
+    copy: bool = True,
+) -> Any:
+    """Rebuild a torch-codec object; ``storage_for_key(key)`` returns a uint8 tensor view.
+
+    With ``copy`` the tensors own fresh memory (one copy); without it they view the buffer.
+    """
+    cache: dict[str, torch.storage.TypedStorage] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        typename, storage_type, key, location, _numel = saved_id
+        if isinstance(typename, bytes):
+            typename = typename.decode()
+        if typename != "storage":
+            raise pickle.UnpicklingError(f"unknown persistent id {typename!r}")
+        if isinstance(location, bytes):
+            location = location.decode()
+        if key not in cache:
+            data = storage_for_key(key)
+            if copy:
+                data = data.clone()
+            untyped = _restore_location(data.untyped_storage(), location, map_location)
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            cache[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        return cache[key]
+
+    if weights_only:
+        from torch import _weights_only_unpickler as wou
+
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            unpickler = wou.Unpickler(io.BytesIO(blob), encoding="utf-8")
+            unpickler.persistent_load = persistent_load
+            try:
+                return unpickler.load()
+            except pickle.UnpicklingError as exc:
+                raise pickle.UnpicklingError(
+                    f"{exc}. The snapshot holds an object that torch's weights_only loading does "
+                    "not allow. If you trust it, allow its class with "
+                    "torch.serialization.add_safe_globals([...]) or load with weights_only=False."
+                ) from exc
+    unpickler = pickle.Unpickler(io.BytesIO(blob))
+    unpickler.persistent_load = persistent_load
+    return unpickler.load()
+
+
+def parse_safetensors_header(blob: bytes) -> dict[str, Any]:
+    (length,) = struct.unpack_from("<Q", blob, 0)
+    header = json.loads(blob[8 : 8 + length])
+    header.pop("__metadata__", None)
+    return header
+
+
+def rebuild_safetensors(blob: bytes, tensor_views: list[torch.Tensor], *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Rebuild ``{name: tensor}`` from the header and uint8 views of each tensor's bytes."""
+    header = parse_safetensors_header(blob)
+    out = {}
+    for (name, info), raw in zip(header.items(), tensor_views):
+        tensor = raw.view(ST_DTYPE_NAMES[info["dtype"]]).view(info["shape"]) if raw.numel() else torch.empty(
+            info["shape"], dtype=ST_DTYPE_NAMES[info["dtype"]]
+        )
+        out[name] = tensor.clone() if copy else tensor
+    return out

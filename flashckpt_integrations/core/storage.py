@@ -1,0 +1,335 @@
+"""Storage backends: where committed checkpoints live.
+
+A :class:`Storage` is addressed with paths relative to its root, always with ``/`` separators.
+Call order for one file: ``open_write(path)`` (a context manager that publishes the file
+atomically when it closes without error: temporary name, fsync, rename), then other ranks or the
+committer see it through ``exists``/``list``. ``remove`` and ``rename`` serve the committer and
+retention. Every method raises :class:`~flashckpt_integrations.errors.StorageError` with the
+path and the cause.
+
+Backends are picked from a URL by :func:`storage_from_url`: local paths and ``file://`` give
+:class:`LocalStorage`, any other scheme goes to a registered factory, or to
+:class:`FsspecStorage` when fsspec knows the scheme. Users plug in their own backend with
+:func:`register_storage` or the ``flashckpt_integrations.storage`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib
+import io
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from typing import IO, Any, Protocol, runtime_checkable
+
+from ..errors import StorageError, missing_dependency
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "flashckpt_integrations.storage"
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What the saver, the committer and the loaders need from a storage backend."""
+
+    url: str
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """Open ``path`` for writing; the file appears under its name only on a clean close."""
+
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """Open ``path`` for reading."""
+
+    def read(self, path: str) -> bytes:
+        """Return the whole content of ``path``."""
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists (file or directory)."""
+
+    def list(self, path: str) -> list[str]:
+        """Names (not paths) directly under directory ``path``; empty when it does not exist."""
+
+    def remove(self, path: str) -> None:
+        """Remove the file or the directory tree at ``path``; a missing path is not an error."""
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst`` (a file or a directory); ``dst`` must not exist."""
+
+    def size(self, path: str) -> int:
+        """Size of file ``path`` in bytes."""
+
+
+def write_bytes(storage: Storage, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with storage.open_write(path) as f:
+        f.write(data)
+
+
+def _wrap(op: str, path: str, exc: BaseException) -> StorageError:
+    hint = ""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        hint = " The storage is full: free space or point the checkpoint directory elsewhere."
+    elif isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = " The checkpoint directory is not writable by this user."
+    return StorageError(f"storage {op} of {path!r} failed: {exc}.{hint}")
+
+
+class LocalStorage:
+    """POSIX file system storage: temporary file, fsync, rename, fsync of the directory."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.url = self.root
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        final = self._abs(path)
+        parent = os.path.dirname(final)
+        tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            os.makedirs(parent, exist_ok=True)
+            f = open(tmp, "wb")  # noqa: SIM115 - closed below, on every path
+        except OSError as exc:
+            raise _wrap("write", path, exc) from exc
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.rename(tmp, final)
+            _fsync_dir(parent)
+        except BaseException as exc:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise _wrap("write", path, exc) from exc
+            raise
+
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[IO[bytes]]:
+        try:
+            f = open(self._abs(path), "rb")  # noqa: SIM115
+        except OSError as exc:
+            raise _wrap("read", path, exc) from exc
+        with f:
+            yield f
+
+    def read(self, path: str) -> bytes:
+        with self.open_read(path) as f:
+            return f.read()
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._abs(path)))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _wrap("list", path, exc) from exc
+
+    def remove(self, path: str) -> None:
+        target = self._abs(path)
+        try:
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            else:
+                os.unlink(target)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _wrap("remove", path, exc) from exc
+
+    def rename(self, src: str, dst: str) -> None:
+        try:
+            if os.path.exists(self._abs(dst)):
+                raise FileExistsError(errno.EEXIST, "destination exists", dst)
+            os.makedirs(os.path.dirname(self._abs(dst)), exist_ok=True)
+            os.rename(self._abs(src), self._abs(dst))
+            _fsync_dir(os.path.dirname(self._abs(dst)))
+        except OSError as exc:
+            raise _wrap("rename", src, exc) from exc
+
+    def size(self, path: str) -> int:
+        try:
+            return os.path.getsize(self._abs(path))
+        except OSError as exc:
+            raise _wrap("stat", path, exc) from exc
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FsspecStorage:
+    """Any fsspec file system (``s3://``, ``gs://``, ``hdfs://``, ``memory://`` ...).
+
+    Object stores publish an object atomically when its upload completes, so files are written
+    under their final name there; other file systems get a temporary name and a move.
+    """
+
+    _ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "memory"}
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        try:
+            import fsspec
+        except ImportError as exc:
+            raise missing_dependency("fsspec", "s3") from exc
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except ImportError as exc:
+            raise missing_dependency(str(exc).split("'")[1] if "'" in str(exc) else "fsspec", "s3") from exc
+        self.url = url
+        self.root = root.rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._atomic_put = bool(self._ATOMIC_PUT.intersection(protocols))
+
+    def _abs(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        final = self._abs(path)
+        target = final if self._atomic_put else f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        buf = io.BytesIO() if self._atomic_put else None
+        try:
+            f = buf if buf is not None else self.fs.open(target, "wb")
+        except Exception as exc:
+            raise _wrap("write", path, exc) from exc
+        try:
+            yield f
+            if buf is not None:
+                self.fs.pipe_file(final, buf.getbuffer())
+            else:
+                f.close()
+                self.fs.mv(target, final)
+        except Exception as exc:
+            if buf is None:
+                with contextlib.suppress(Exception):
+                    f.close()
+                with contextlib.suppress(Exception):
+                    self.fs.rm(target)
+            if isinstance(exc, StorageError):
+                raise
+            raise _wrap("write", path, exc) from exc
+
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[IO[bytes]]:
+        try:
+            f = self.fs.open(self._abs(path), "rb")
+        except Exception as exc:
+            raise _wrap("read", path, exc) from exc
+        with f:
+            yield f
+
+    def read(self, path: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._abs(path))
+        except Exception as exc:
+            raise _wrap("read", path, exc) from exc
+
+    def exists(self, path: str) -> bool:
+        try:
+            return self.fs.exists(self._abs(path))
+        except Exception as exc:
+            raise _wrap("stat", path, exc) from exc
+
+    def list(self, path: str) -> list[str]:
+        try:
+            self.fs.invalidate_cache(self._abs(path))
+            entries = self.fs.ls(self._abs(path), detail=False)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:
+            raise _wrap("list", path, exc) from exc
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def remove(self, path: str) -> None:
+        try:
+            if self.fs.exists(self._abs(path)):
+                self.fs.rm(self._abs(path), recursive=True)
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise _wrap("remove", path, exc) from exc
+
+    def rename(self, src: str, dst: str) -> None:
+        try:
+            if self.fs.exists(self._abs(dst)):
+                raise FileExistsError(errno.EEXIST, "destination exists", dst)
+            self.fs.mv(self._abs(src), self._abs(dst), recursive=True)
+        except Exception as exc:
+            raise _wrap("rename", src, exc) from exc
+
+    def size(self, path: str) -> int:
+        try:
+            return int(self.fs.size(self._abs(path)))
+        except Exception as exc:
+            raise _wrap("stat", path, exc) from exc
+
+
+StorageFactory = Callable[..., Storage]
+_REGISTRY: dict[str, StorageFactory] = {}
+
+
+def register_storage(scheme: str, factory: StorageFactory) -> None:
+    """Make ``scheme://...`` URLs open with ``factory(url, **storage_options)``.
+
+    A factory registered here is visible in this process only. The saver runs in its own
+    process, so for it to see a custom backend, publish the factory in the
+    ``flashckpt_integrations.storage`` entry-point group, or pass ``storage_factory`` as an
+    importable ``"module:attribute"`` string.
+    """
+    if not scheme or "://" in scheme:
+        raise ValueError(f"scheme must be a bare name such as 's3', got {scheme!r}")
+    _REGISTRY[scheme] = factory
+
+
+def _entry_point_factory(scheme: str) -> StorageFactory | None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == scheme:
+            return ep.load()
+    return None
+
+
+def import_object(spec: str) -> Any:
+    """Import ``"module:attribute"``."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"expected 'module:attribute', got {spec!r}")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def storage_from_url(
+    url: str, storage_options: dict[str, Any] | None = None, factory: str | None = None
+) -> Storage:
+    """Open the storage for ``url``; ``factory`` ("module:attribute") overrides the lookup."""
+    options = dict(storage_options or {})
+    if factory:
+        return import_object(factory)(url, **options)
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme in ("", "file"):
+        return LocalStorage(url[len("file://"):] if scheme else url)
+    chosen = _REGISTRY.get(scheme) or _entry_point_factory(scheme)
+    if chosen is not None:
+        return chosen(url, **options)
+    return FsspecStorage(url, **options)

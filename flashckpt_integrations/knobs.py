@@ -1,0 +1,19 @@
+"""Environment-variable overrides, for tests and debugging only.
+
+Every knob lives here so that the rest of the code never reads ``os.environ`` for tuning.
+"""
+
+from __future__ import annotations
+
+import os
+
+JOB_ID = "FLASHCKPT_JOB_ID"
+NODE_ID = "FLASHCKPT_NODE_ID"
+RUN_DIR = "FLASHCKPT_RUN_DIR"
+SHM_DIR = "FLASHCKPT_SHM_DIR"
+SAVER_LOG_LEVEL = "FLASHCKPT_SAVER_LOG_LEVEL"
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value else default
