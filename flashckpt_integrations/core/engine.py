@@ -156,6 +156,8 @@ class Checkpointer:
         self._lock = threading.RLock()
         self._closed = False
         self._seq = self._newest_seq() + 1
+        self._requester = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-request")
+        self._requester.submit(self._connect_quietly)
         for optimizer in optimizers:
             self.attach_optimizer(optimizer)
         self._atexit = _AtExit(self)
@@ -369,15 +371,26 @@ class Checkpointer:
                 persist.set_result(PersistResult(step, False, error))
             return error
         if persist is not None:
-            self._request_persist(index, slot, step, seq, persist)
+            durable: Future = Future()
+            self._persisting[index] = durable
+            self._requester.submit(self._request_persist, slot, step, seq, durable, persist)
         return None
 
-    def _request_persist(self, index: int, slot: Slot, step: int, seq: int, outcome: Future) -> None:
+    def _connect_quietly(self) -> None:
+        """Start or find the saver off the training path; a failure is retried at persist time."""
+        try:
+            self._client.connect()
+        except SaverProcessError as exc:
+            logger.warning("[RANK %d] saver not reachable yet: %s", self.rank, exc)
+
+    def _request_persist(self, slot: Slot, step: int, seq: int, durable: Future, outcome: Future) -> None:
+        """Hand a sealed slot to the saver (runs on the request thread, in save order)."""
         try:
             self._client.connect()
         except SaverProcessError as exc:
             error = f"step {step} stays in memory only: {exc}"
             logger.error("[RANK %d] %s", self.rank, error)
+            durable.set_result({"ok": False, "error": error})
             outcome.set_result(PersistResult(step, False, error))
             return
         slot.mark_persist_requested(seq)
@@ -387,10 +400,9 @@ class Checkpointer:
             "storage_factory": self.config.storage_factory, "layout": self.layout.to_dict(),
             "retention": self.config.retention.to_dict(), "commit_timeout": self.config.commit_timeout_s,
         })
-        self._persisting[index] = reply
-        reply.add_done_callback(lambda f: self._await_commit(step, f, outcome))
+        reply.add_done_callback(lambda f: self._await_commit(step, f, durable, outcome))
 
-    def _await_commit(self, step: int, reply: Future, outcome: Future) -> None:
+    def _await_commit(self, step: int, reply: Future, durable: Future, outcome: Future) -> None:
         """Resolve ``outcome`` once storage says committed/failed (runs off the caller)."""
 
         def poll() -> None:
@@ -398,6 +410,7 @@ class Checkpointer:
                 answer = reply.result()
             except Exception as exc:
                 answer = {"ok": False, "error": str(exc)}
+            durable.set_result(answer)
             if not answer.get("ok"):
                 error = f"rank {self.rank} could not persist step {step}: {answer.get('error')}"
                 logger.error("[RANK %d] %s", self.rank, error)
@@ -550,6 +563,7 @@ class Checkpointer:
         for hook in self._hooks:
             hook.remove()
         self._copier.shutdown(wait=True)
+        self._requester.shutdown(wait=True)
         self._client.close(clean=clean)
         for slot in self._slots:
             if slot is not None:
