@@ -95,10 +95,11 @@ def decode_from_slot(
     if codec is Codec.TORCH:
         storages = fmeta["storages"]
 
-        def storage_for_key(key: str) -> torch.Tensor:
+        def storage_for_key(key: str) -> torch.UntypedStorage:
             if key not in storages:
                 raise CorruptCheckpointError(f"{fmeta['path']}: pickle names storage {key} that the slot lacks")
-            return slot.view(*regions[storages[key]])
+            offset, nbytes = regions[storages[key]]
+            return slot.storage(offset, nbytes) if nbytes else torch.UntypedStorage(0)
 
         return unpickle_torch(blob, storage_for_key, weights_only=weights_only, map_location=map_location, copy=copy)
     if codec is Codec.SAFETENSORS:

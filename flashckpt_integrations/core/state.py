@@ -24,6 +24,7 @@ import io
 import json
 import pickle
 import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -180,11 +181,6 @@ def _pack_torch(path: str, spec: FileSpec, regions: list[Region], by_storage: di
                 numel = obj._size()
             else:
                 storage, dtype, storage_type, numel = obj, torch.uint8, torch.UntypedStorage, obj.nbytes()
-            if storage.device.type == "meta":
-                raise ValueError(
-                    f"{path}: a tensor on the 'meta' device has no data to checkpoint; "
-                    "materialise it (e.g. with to_empty()) before saving"
-                )
             if storage.data_ptr() != 0 and dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
                 raise ValueError(
                     f"{path}: two tensors view the same storage as {dtypes[storage.data_ptr()]} "
@@ -325,7 +321,7 @@ def unpickle_torch(
     map_location: Any = None,
     copy: bool = True,
 ) -> Any:
-    """Rebuild a torch-codec object; ``storage_for_key(key)`` returns a uint8 tensor view.
+    """Rebuild a torch-codec object; ``storage_for_key(key)`` returns an untyped storage (no copy).
 
     With ``copy`` the tensors own fresh memory (one copy); without it they view the buffer.
     """
@@ -343,8 +339,10 @@ def unpickle_torch(
             data = storage_for_key(key)
             if copy:
                 data = data.clone()
-            untyped = _restore_location(data.untyped_storage(), location, map_location)
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            untyped = _restore_location(data, location, map_location)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # legacy storage classes warn on .dtype
+                dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
             cache[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
         return cache[key]
 

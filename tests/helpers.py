@@ -1,0 +1,125 @@
+"""Shared test helpers: state builders, comparisons, storages that fail or stall on purpose.
+
+The storage factories are imported by the saver process through ``storage_factory``
+("tests.helpers:SlowStorage"), so they read their knobs from the environment that the saver
+inherits from the rank that started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from flashckpt_integrations.core.storage import LocalStorage
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ALL_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+]
+
+
+def rich_state(seed: int = 0) -> dict[str, Any]:
+    """A state that exercises every kind of value a checkpoint may hold."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(64, generator=g)
+    matrix = torch.randn(8, 6, generator=g)
+    tensors = {str(d).replace("torch.", ""): (torch.randn(5, 3, generator=g) * 50).to(d) for d in ALL_DTYPES}
+    return {
+        "tensors": tensors,
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "transposed": matrix.t(),
+        "strided": matrix[:, ::2],
+        "base": base,
+        "view_a": base[3:10],
+        "view_b": base[5:20].view(3, 5),
+        "nested": collections.OrderedDict(
+            layers=[{"w": torch.randn(4, 4, generator=g), "b": torch.zeros(4)}, (torch.ones(2), "tag", 7)]
+        ),
+        "args": argparse.Namespace(lr=0.1, betas=(0.9, 0.95), name="run"),
+        "values": {"int": 12, "float": float("inf"), "nan": float("nan"), "str": "héllo", "none": None,
+                   "bool": True, "bytes": b"\x00\x01", "size": torch.Size([2, 3]), "dtype": torch.bfloat16,
+                   "set": {1, 2}, "tuple": (1, (2, 3)), 5: "int key"},
+    }
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    """Bit-exact equality of nested states (NaN-safe, dtype- and layout-aware)."""
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
+        assert a.storage_offset() == b.storage_offset(), where
+        assert torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, argparse.Namespace):
+        assert vars(a) == vars(b), where
+    elif isinstance(a, float) and a != a:
+        assert b != b, where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class SlowStorage(LocalStorage):
+    """Local storage whose writes sleep ``$FLASHCKPT_TEST_WRITE_DELAY`` seconds first."""
+
+    def __init__(self, root: str, **_: Any) -> None:
+        super().__init__(root)
+        self.delay = float(os.environ.get("FLASHCKPT_TEST_WRITE_DELAY", "1"))
+
+    def open_write(self, path: str):  # type: ignore[override]
+        if not path.startswith(".flashckpt"):
+            time.sleep(self.delay)
+        return super().open_write(path)
+
+
+class FailingStorage(LocalStorage):
+    """Local storage whose data-file writes fail like a full disk."""
+
+    def open_write(self, path: str):  # type: ignore[override]
+        if not path.startswith(".flashckpt") and os.path.exists(os.path.join(self.root, "FAIL")):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+        return super().open_write(path)
+
+
+def run_python(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a new process of the same job)."""
+    full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
+    return subprocess.run([sys.executable, "-c", code, *args], env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def saver_pids(run_dir: str) -> list[int]:
+    """Pids of saver processes serving ``run_dir``."""
+    out = subprocess.run(["pgrep", "-f", f"flashckpt_integrations.core.saver --run-dir {run_dir}"],
+                         capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def kill_savers(run_dir: str) -> None:
+    for pid in saver_pids(run_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
