@@ -1,0 +1,187 @@
+"""Crashes and slot reuse never yield a torn or lost checkpoint, and never a silent one."""
+
+import os
+import signal
+import textwrap
+
+import torch
+
+from flashckpt_integrations import Checkpointer, SaveStatus
+from flashckpt_integrations.core.shm_buffer import Slot, SlotState
+from tests.helpers import run_python
+
+CHILD_PRELUDE = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from flashckpt_integrations import Checkpointer
+    ckpt_dir = sys.argv[1]
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(256, 1024, generator=g), "b": torch.randn(1024, generator=g), "step": step}
+    """
+)
+
+
+def expected(step):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 1024, generator=g), "b": torch.randn(1024, generator=g), "step": step}
+
+
+def test_kill_after_memory_only_save_restores_from_memory_without_reading_storage(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    child = CHILD_PRELUDE + textwrap.dedent(
+        """
+        ck = Checkpointer(ckpt_dir)
+        assert ck.save(1, state(1)).wait(60).committed
+        r = ck.save(2, state(2), persist=False)
+        assert r.status.value == "in_memory", r
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = run_python(child, ckpt)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    # Storage holds only step 1; step 2 can only come from memory.
+    assert sorted(os.listdir(ckpt)) == [".flashckpt", "latest", "step-1"]
+    os.rename(os.path.join(ckpt, "step-1"), os.path.join(ckpt, "step-1.hidden"))  # storage must not be read
+    with Checkpointer(ckpt) as ck:
+        assert ck.committed_steps() == [1]
+        loaded = ck.load()
+        assert (loaded.step, loaded.source) == (2, "memory")
+        assert torch.equal(loaded.state["w"], expected(2)["w"]) and loaded.state["step"] == 2
+
+
+def test_kill_mid_copy_leaves_the_previous_snapshot_loadable(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    child = CHILD_PRELUDE + textwrap.dedent(
+        """
+        import flashckpt_integrations.core.engine as engine
+        ck = Checkpointer(ckpt_dir)
+        assert ck.save(1, state(1), persist=False).ok
+        real_copy = engine.copy_regions
+        def copy_then_die(plan, slot):
+            plan.regions = plan.regions[:1]  # copy part of the state, then crash
+            real_copy(plan, slot)
+            os.kill(os.getpid(), signal.SIGKILL)
+        engine.copy_regions = copy_then_die
+        ck.save(2, state(2), persist=False)
+        """
+    )
+    proc = run_python(child, ckpt)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with Checkpointer(ckpt) as ck:
+        states = [Slot.attach(p).read_header().state for p in ck.slot_paths]
+        assert sorted(states) == [SlotState.WRITING, SlotState.COMPLETE]
+        assert ck.memory_steps() == [1]
+        loaded = ck.load()
+        assert (loaded.step, loaded.source) == (1, "memory")
+        assert torch.equal(loaded.state["w"], expected(1)["w"])
+
+
+def test_memory_save_right_after_a_persisting_save_loses_nothing(make_checkpointer, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "1.5")
+    ck = make_checkpointer(storage_factory="tests.helpers:SlowStorage")
+    first = ck.save(10, expected(10))
+    second = ck.save(11, expected(11), persist=False)
+    assert first.status is SaveStatus.PERSISTING and second.status is SaveStatus.IN_MEMORY
+    assert second.blocking_s < 1.0, "the memory save must not wait for the slow persist"
+    assert first.wait(60).committed
+    assert ck.committed_steps() == [10]
+    assert ck.memory_steps() == [10, 11]
+    loaded = ck.load()
+    assert (loaded.step, loaded.source) == (11, "memory")
+    from_disk = ck.load(10, prefer_memory=False)
+    assert torch.equal(from_disk.state["w"], expected(10)["w"])
+
+
+def test_third_save_while_both_slots_persist_is_skipped_with_a_reason(make_checkpointer, monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "2")
+    ck = make_checkpointer(storage_factory="tests.helpers:SlowStorage", on_slot_busy="skip")
+    a = ck.save(1, expected(1))
+    b = ck.save(2, expected(2))
+    c = ck.save(3, expected(3))
+    assert (a.status, b.status) == (SaveStatus.PERSISTING, SaveStatus.PERSISTING)
+    assert c.status is SaveStatus.SKIPPED and "being persisted" in c.reason and not c.ok
+    assert a.wait(60).committed and b.wait(60).committed
+    assert ck.committed_steps() == [1, 2]
+
+
+def test_third_save_waits_for_a_slot_by_default(make_checkpointer, monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "1")
+    ck = make_checkpointer(storage_factory="tests.helpers:SlowStorage")
+    results = [ck.save(s, expected(s)) for s in (1, 2, 3)]
+    assert all(r.status is SaveStatus.PERSISTING for r in results)
+    assert results[2].blocking_s > 0.5
+    assert all(r.wait(60).committed for r in results)
+    assert ck.committed_steps() == [1, 2, 3]
+
+
+def test_state_growth_between_saves(make_checkpointer):
+    ck = make_checkpointer()
+    small = {"w": torch.randn(10)}
+    ck.save(1, small, persist=False)
+    ck.save(2, small, persist=False)
+    big = {"w": torch.randn(10), "extra": torch.randn(4 << 20)}
+    assert ck.save(3, big).wait(60).committed
+    loaded = ck.load()
+    assert loaded.step == 3 and torch.equal(loaded.state["extra"], big["extra"])
+    sizes = [os.path.getsize(p) for p in ck.slot_paths]
+    assert max(sizes) >= big["extra"].nbytes
+
+
+def test_slots_are_private_and_prepared_ahead(make_checkpointer):
+    ck = make_checkpointer()
+    ck.prepare({"w": torch.randn(1 << 20)})
+    for path in ck.slot_paths:
+        st = os.stat(path)
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
+        assert st.st_size >= 4 << 20
+        assert os.path.basename(path).startswith(f"flashckpt-{os.getuid()}-{ck.job_key}-r0-")
+    run_dir_mode = os.stat(ck.run_dir).st_mode & 0o777
+    assert run_dir_mode == 0o700
+
+
+def test_two_jobs_on_one_host_never_see_each_other(make_checkpointer, tmp_path):
+    a = make_checkpointer(tmp_path / "job-a")
+    b = make_checkpointer(tmp_path / "job-b")
+    assert set(a.slot_paths).isdisjoint(b.slot_paths) and a.run_dir != b.run_dir
+    a.save(5, {"w": torch.ones(3)}, persist=False)
+    assert b.load() is None
+    b.save(1, {"w": torch.zeros(3)}, persist=False)
+    assert a.load().step == 5 and torch.equal(a.load().state["w"], torch.ones(3))
+
+
+def test_corrupt_metadata_falls_back_to_the_last_commit(make_checkpointer, caplog):
+    ck = make_checkpointer()
+    assert ck.save(1, expected(1)).wait(60).committed
+    ck.save(2, expected(2), persist=False)
+    slot = next(s for s in (Slot.attach(p) for p in ck.slot_paths) if s.read_header().step == 2)
+    header = slot.read_header()
+    slot.write_blob(header.meta_offset + 5, b"#")  # flip metadata bytes behind the checksum
+    loaded = ck.load()
+    assert loaded.step == 1  # step 1 is still intact in the other slot and on storage
+    assert torch.equal(loaded.state["w"], expected(1)["w"])
+    assert any("checksum mismatch" in r.message for r in caplog.records)
+    for path in ck.slot_paths:  # with no intact snapshot left, storage serves the last commit
+        slot = Slot.attach(path)
+        h = slot.read_header()
+        slot.write_blob(h.meta_offset + 1, b"#")
+    loaded = ck.load()
+    assert (loaded.step, loaded.source) == (1, "storage")
+    assert torch.equal(loaded.state["w"], expected(1)["w"])
+
+
+def test_wrong_format_version_is_a_clear_error(make_checkpointer):
+    import struct
+
+    from flashckpt_integrations import CorruptCheckpointError
+
+    ck = make_checkpointer()
+    ck.save(1, {"w": torch.ones(2)}, persist=False)
+    slot = Slot.attach(ck.slot_paths[0])
+    slot.write_blob(8, struct.pack("<I", 99))
+    try:
+        slot.read_header()
+    except CorruptCheckpointError as exc:
+        assert "format version 99" in str(exc)
+    else:
+        raise AssertionError("a slot of another format version must not be read")
