@@ -67,7 +67,7 @@ def align(n: int) -> int:
 class RawBuffer:
     """A warm /dev/shm mapping the state is copied into (the limit any snapshot can reach)."""
 
-    def __init__(self, state: dict[str, torch.Tensor], shm_dir: str = "/dev/shm") -> None:
+    def __init__(self, state: dict[str, torch.Tensor], shm_dir: str) -> None:
         self.offsets = []
         offset = 0
         for t in state.values():
@@ -190,11 +190,14 @@ class Bench:
         self.step = 0
         self.checkpointers: list[Checkpointer] = []
         self.run_dirs: list[str] = []
+        self.slot_paths: list[str] = []
         self.raw: RawBuffer | None = None
         self.dcp: Any = None
         self.dcp_process_ok = not args.skip_dcp
         self.dist_initialized = False
         self.restore_correct = True
+        self.root: str | None = None
+        self.shm_dir: str | None = None
 
     # -- setup / teardown --
 
@@ -203,6 +206,9 @@ class Bench:
         base = a.dir or "/tmp"
         os.makedirs(base, exist_ok=True)
         self.root = tempfile.mkdtemp(prefix="flashckpt-bench-", dir=base)
+        # A private tmpfs directory for the slots: the same memory as /dev/shm itself, but out
+        # of reach of anything that sweeps /dev/shm/flashckpt-<uid>-* (the test suite's fixture).
+        self.shm_dir = tempfile.mkdtemp(prefix="flashckpt-bench-", dir=a.shm_base)
         t0 = time.perf_counter()
         self.state = make_state(a.gib, a.tensors)
         self.nbytes = state_bytes(self.state)
@@ -213,7 +219,7 @@ class Bench:
         print(f"dir: {self.root}  (torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
               f"{os.cpu_count()} CPUs)")
 
-        self.raw = RawBuffer(self.state)
+        self.raw = RawBuffer(self.state, self.shm_dir)
         for _ in range(2):
             self.raw.copy(self.state)
         warm = [timed(lambda: self.raw.copy(self.state))[0] for _ in range(3)]
@@ -239,19 +245,33 @@ class Bench:
         self.dist_initialized = True
         # Untimed warm-up: thread mode, then process mode (its first call spawns a daemon process).
         self.dcp_async("dcp-warm-thread", process=False)[1].result()
+        # The daemon process logs every request at INFO on its stderr: send that to a file.
+        log_path = os.path.join(self.root, "dcp-daemon.log")
+        saved_stderr = os.dup(2)
         try:
-            self.dcp_async("dcp-warm-process", process=True)[1].result(timeout=300)
+            with open(log_path, "ab") as log:
+                sys.stderr.flush()
+                os.dup2(log.fileno(), 2)
+                try:
+                    self.dcp_async("dcp-warm-process", process=True)[1].result(timeout=300)
+                finally:
+                    sys.stderr.flush()
+                    os.dup2(saved_stderr, 2)
         except Exception as exc:  # reported, the rest of the benchmark goes on
             self.dcp_process_ok = False
             self.samples.errors["dcp_async_save_process"] = f"{type(exc).__name__}: {exc}"
             print(f"dcp async_save with AsyncCheckpointerType.PROCESS does not work here: {exc}")
+        finally:
+            os.close(saved_stderr)
         drop_path(os.path.join(self.root, "dcp-warm-thread"))
         drop_path(os.path.join(self.root, "dcp-warm-process"))
 
     def teardown(self) -> None:
         for ck in self.checkpointers:
-            with contextlib.suppress(Exception):
+            try:
                 ck.close()
+            except Exception as exc:
+                print(f"closing the checkpointer of {ck.url} failed: {exc}")
         self.checkpointers.clear()
         if self.raw is not None:
             self.raw.close()
@@ -260,17 +280,23 @@ class Bench:
 
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        if not self.args.keep:
+        if not self.args.keep and self.root:
             shutil.rmtree(self.root, ignore_errors=True)
             time.sleep(0.5)  # let the savers, told the job is over, exit before their run dirs go
             for run_dir in self.run_dirs:
                 shutil.rmtree(run_dir, ignore_errors=True)
+        left = [p for p in self.slot_paths if os.path.exists(p)]
+        print(f"shared memory left by this run: {', '.join(left) if left else 'none'} "
+              f"({len(self.slot_paths)} slot paths used)")
+        if not left and self.shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     def new_checkpointer(self, name: str, **config: Any) -> Checkpointer:
         path = os.path.join(self.root, f"{name}-{uuid.uuid4().hex[:8]}")
-        ck = Checkpointer(path, CheckpointerConfig(job_id=f"bench-{uuid.uuid4().hex}", **config))
+        ck = Checkpointer(path, CheckpointerConfig(job_id=f"bench-{uuid.uuid4().hex}", shm_dir=self.shm_dir, **config))
         self.checkpointers.append(ck)
         self.run_dirs.append(ck.run_dir)
+        self.slot_paths.extend(ck.slot_paths)
         return ck
 
     def close_checkpointer(self, ck: Checkpointer) -> None:
@@ -586,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="measurements per metric; medians are reported")
     parser.add_argument("--dir", default=None,
                         help="local-disk directory to work in (a fresh temp dir is made inside it; default /tmp)")
+    parser.add_argument("--shm-base", default="/dev/shm",
+                        help="tmpfs directory in which a private slot directory is made (default /dev/shm)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--step", choices=("matmul", "sleep"), default="matmul",
                         help="simulated training step of the overlap test: real compute or time.sleep")

@@ -62,7 +62,8 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
         assert a.storage_offset() == b.storage_offset(), where
-        assert torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)), where
+        raw_a, raw_b = (t.reshape(-1).contiguous().view(torch.uint8) for t in (a, b))
+        assert torch.equal(raw_a, raw_b), where
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()), where
         for k in a:
@@ -105,7 +106,9 @@ class FailingStorage(LocalStorage):
         return super().open_write(path)
 
 
-def run_python(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (a new process of the same job)."""
     full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
     return subprocess.run([sys.executable, "-c", code, *args], env=full_env, capture_output=True, text=True,
@@ -123,3 +126,18 @@ def kill_savers(run_dir: str) -> None:
     for pid in saver_pids(run_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def raising_fsspec_storage(url: str, **options: Any):
+    """An fsspec file system that raises on data-file writes once ``<root>/FAIL`` exists."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from flashckpt_integrations.core.storage import FsspecStorage
+
+    class RaisingFileSystem(LocalFileSystem):
+        def _open(self, path, mode="rb", **kwargs):
+            if "w" in mode and ".flashckpt" not in path and os.path.exists(os.path.join(url, "FAIL")):
+                raise ConnectionError(f"injected failure writing {path}")
+            return super()._open(path, mode=mode, **kwargs)
+
+    return FsspecStorage(url, fs=RaisingFileSystem(), **options)

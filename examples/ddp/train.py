@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -56,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rank 0 also times a plain torch.save of the state at each persisted save")
     parser.add_argument("--hidden", type=int, default=2560, help="MLP width (2560: ~8.6M parameters)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
     if args.save_every < 1 or args.persist_every < 1:
@@ -79,17 +77,21 @@ def build_model(hidden: int) -> nn.Module:
     )
 
 
-def make_teacher(seed: int) -> torch.Tensor:
-    """A fixed random linear 'teacher' that labels the synthetic images."""
+def make_prototypes(seed: int) -> torch.Tensor:
+    """One fixed random 28x28 'digit' per class: the hidden structure the model has to learn."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(IMAGE_PIXELS, CLASSES, generator=generator)
+    return torch.randn(CLASSES, 1, 28, 28, generator=generator)
 
 
-def make_batch(seed: int, step: int, rank: int, batch_size: int, teacher: torch.Tensor):
-    """The batch of ``step`` on ``rank``: a function of (seed, step, rank) only, never of history."""
+def make_batch(seed: int, step: int, rank: int, batch_size: int, prototypes: torch.Tensor):
+    """The batch of ``step`` on ``rank``: a function of (seed, step, rank) only, never of history.
+
+    Labels are uniform; an image is its class prototype blurred by noise, squashed to [0, 1].
+    """
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
-    images = torch.rand(batch_size, 1, 28, 28, generator=generator)
-    labels = (images.flatten(1) - 0.5).matmul(teacher).argmax(dim=1)
+    labels = torch.randint(0, CLASSES, (batch_size,), generator=generator)
+    noise = torch.randn(batch_size, 1, 28, 28, generator=generator)
+    images = torch.sigmoid(0.5 * prototypes[labels] + noise)
     return images, labels
 
 
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     model = DDP(build_model(args.hidden))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     torch.manual_seed(args.seed + 1 + rank)  # per-rank dropout stream
-    teacher = make_teacher(args.seed)
+    prototypes = make_prototypes(args.seed)
 
     ck = Checkpointer(args.ckpt_dir, optimizers=[optimizer], retention=RetentionPolicy(keep_last=2))
 
@@ -131,24 +133,25 @@ def main(argv: list[str] | None = None) -> None:
     elif rank == 0:
         print("[rank 0] no checkpoint found: starting from scratch", flush=True)
 
-    # Size and pre-fault both shared-memory slots now, so the first save does not pay for it.
-    ck.prepare(training_state(model, optimizer, start_step - 1))
-
     # --- train -------------------------------------------------------------------------------
     save_ms: list[float] = []
     torch_save_ms: list[float] = []
-    probe_dir = None
+    probe = None  # a plain torch.save target on the same file system as the checkpoints
     if args.compare_torch_save and rank == 0:
-        parent = os.path.dirname(os.path.abspath(args.ckpt_dir))
-        probe_dir = tempfile.mkdtemp(prefix="torch-save-probe-", dir=parent)
+        ckpt_dir = os.path.abspath(args.ckpt_dir)
+        probe = os.path.join(os.path.dirname(ckpt_dir), f".{os.path.basename(ckpt_dir)}.torch-save-probe.pt")
     train_started = time.perf_counter()
     step = start_step - 1
     for step in range(start_step, args.steps + 1):
-        images, labels = make_batch(args.seed, step, rank, args.batch_size, teacher)
+        images, labels = make_batch(args.seed, step, rank, args.batch_size, prototypes)
         loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if step == start_step:
+            # Size and pre-fault both shared-memory slots once the optimizer has created its state
+            # (torch optimizers do that lazily, at their first step), so no save pays for it.
+            ck.prepare(training_state(model, optimizer, step))
 
         if step % args.save_every and step % args.persist_every:
             continue
@@ -158,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         if not result.ok:
             raise RuntimeError(f"rank {rank}: save of step {step} {result.status.value}: {result.reason}")
         save_ms.append(result.blocking_s * 1e3)
-        if probe_dir is not None and persist:
+        if probe is not None and persist:
             t0 = time.perf_counter()
-            torch.save(state, os.path.join(probe_dir, "state.pt"))
+            torch.save(state, probe)
             torch_save_ms.append((time.perf_counter() - t0) * 1e3)
         if rank == 0:
             kind = "memory + persist" if persist else "memory"
@@ -177,8 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     final = ck.wait()
     if final is not None and not final.committed:
         raise RuntimeError(f"rank {rank}: last persisted step {final.step} was not committed: {final.error}")
-    if probe_dir is not None:
-        shutil.rmtree(probe_dir, ignore_errors=True)
+    if probe is not None and os.path.exists(probe):
+        os.unlink(probe)
     if rank == 0:
         if args.out:
             torch.save(model.module.state_dict(), args.out)

@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import knobs
 from ..errors import SaverProcessError
-from .saver import LOG_NAME, SOCKET_NAME
+from .protocol import LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class SaverClient:
 
     def _spawn_if_absent(self) -> bool:
         """Start a saver unless one answers once the spawn lock is ours; True when connected."""
-        lock_path = os.path.join(self.run_dir, "spawn.lock")
+        lock_path = os.path.join(self.run_dir, SPAWN_LOCK_NAME)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

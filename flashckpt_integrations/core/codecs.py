@@ -24,19 +24,32 @@ _TORCH_STORAGE_ALIGNMENT = 64
 
 
 class _ChecksumWriter:
-    """File-like wrapper that counts and checksums what passes through it."""
+    """File-like wrapper that counts and checksums what passes through it.
+
+    A write error is kept, not raised: torch's zip writer aborts the process when a write
+    fails under it, so the error is raised by :meth:`check` once the writer is done.
+    """
 
     def __init__(self, f: IO[bytes]) -> None:
         self._f = f
         self.crc = 0
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        if self.error is None:
+            try:
+                self._f.write(view)
+            except OSError as exc:
+                self.error = exc
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
-        self._f.write(view)
         return len(view)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
     def flush(self) -> None:
         self._f.flush()
@@ -58,6 +71,7 @@ def write_file(
                 offset, nbytes = regions[index]
                 if nbytes:
                     out.write(slot.view(offset, nbytes).numpy())
+        out.check()
     return {"path": path, "size": out.size, "crc32": out.crc}
 
 

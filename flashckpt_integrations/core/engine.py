@@ -384,41 +384,36 @@ class Checkpointer:
             logger.warning("[RANK %d] saver not reachable yet: %s", self.rank, exc)
 
     def _request_persist(self, slot: Slot, step: int, seq: int, durable: Future, outcome: Future) -> None:
-        """Hand a sealed slot to the saver (runs on the request thread, in save order)."""
-        try:
-            self._client.connect()
-        except SaverProcessError as exc:
-            error = f"step {step} stays in memory only: {exc}"
-            logger.error("[RANK %d] %s", self.rank, error)
-            durable.set_result({"ok": False, "error": error})
-            outcome.set_result(PersistResult(step, False, error))
-            return
-        slot.mark_persist_requested(seq)
-        reply = self._client.request({
+        """Hand a sealed slot to the saver and wait until the rank's files are durable.
+
+        Runs on the request thread, in save order. A saver that dies is restarted and asked
+        again once: the slot still holds the snapshot, and rewriting files is idempotent.
+        """
+        request = {
             "op": "persist", "rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq,
             "slot": slot.path, "root": self.url, "storage_options": self.config.storage_options,
             "storage_factory": self.config.storage_factory, "layout": self.layout.to_dict(),
             "retention": self.config.retention.to_dict(), "commit_timeout": self.config.commit_timeout_s,
-        })
-        reply.add_done_callback(lambda f: self._await_commit(step, f, durable, outcome))
-
-    def _await_commit(self, step: int, reply: Future, durable: Future, outcome: Future) -> None:
-        """Resolve ``outcome`` once storage says committed/failed (runs off the caller)."""
-
-        def poll() -> None:
+        }
+        answer: dict[str, Any] = {}
+        for attempt in range(2):
             try:
-                answer = reply.result()
-            except Exception as exc:
-                answer = {"ok": False, "error": str(exc)}
-            durable.set_result(answer)
-            if not answer.get("ok"):
-                error = f"rank {self.rank} could not persist step {step}: {answer.get('error')}"
-                logger.error("[RANK %d] %s", self.rank, error)
-                outcome.set_result(PersistResult(step, False, error))
-                return
-            outcome.set_result(self._poll_commit(step))
-
-        threading.Thread(target=poll, name=f"flashckpt-commit-{step}", daemon=True).start()
+                self._client.connect()
+                slot.mark_persist_requested(seq)
+                answer = self._client.request(request).result()
+                break
+            except SaverProcessError as exc:
+                answer = {"ok": False, "error": f"the saver is unavailable: {exc}"}
+                if attempt == 0:
+                    logger.warning("[RANK %d] %s; restarting it and retrying step %d", self.rank, exc, step)
+        durable.set_result(answer)
+        if not answer.get("ok"):
+            error = f"rank {self.rank} could not persist step {step}; it stays in memory only: {answer.get('error')}"
+            logger.error("[RANK %d] %s", self.rank, error)
+            outcome.set_result(PersistResult(step, False, error))
+            return
+        threading.Thread(target=lambda: outcome.set_result(self._poll_commit(step)),
+                         name=f"flashckpt-commit-{step}", daemon=True).start()
 
     def _poll_commit(self, step: int) -> PersistResult:
         deadline = time.monotonic() + self.config.commit_timeout_s + 30

@@ -34,15 +34,13 @@ from typing import Any
 
 from .codecs import write_file
 from .layout import COMMITTED, FAILED, Layout, committed_steps, now, write_json
+from .protocol import LOCK_NAME, SOCKET_NAME
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
 from .storage import Storage, storage_from_url, write_bytes
 
 logger = logging.getLogger(__name__)
 
-SOCKET_NAME = "saver.sock"
-LOCK_NAME = "saver.lock"
-LOG_NAME = "saver.log"
 COMMIT_POLL_S = 0.02
 
 

@@ -184,15 +184,19 @@ class FsspecStorage:
 
     _ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "memory"}
 
-    def __init__(self, url: str, **storage_options: Any) -> None:
+    def __init__(self, url: str, fs: Any = None, **storage_options: Any) -> None:
         try:
             import fsspec
         except ImportError as exc:
             raise missing_dependency("fsspec", "s3") from exc
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+            if fs is None:
+                fs, root = fsspec.core.url_to_fs(url, **storage_options)
+            else:
+                root = fs._strip_protocol(url)
         except ImportError as exc:
-            raise missing_dependency(str(exc).split("'")[1] if "'" in str(exc) else "fsspec", "s3") from exc
+            raise missing_dependency(f"the fsspec backend for {url!r} ({exc})", "s3") from exc
+        self.fs = fs
         self.url = url
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
@@ -207,13 +211,15 @@ class FsspecStorage:
         target = final if self._atomic_put else f"{final}.tmp-{uuid.uuid4().hex[:8]}"
         buf = io.BytesIO() if self._atomic_put else None
         try:
+            if buf is None:
+                self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
             f = buf if buf is not None else self.fs.open(target, "wb")
         except Exception as exc:
             raise _wrap("write", path, exc) from exc
         try:
             yield f
             if buf is not None:
-                self.fs.pipe_file(final, buf.getbuffer())
+                self.fs.pipe_file(final, buf.getvalue())
             else:
                 f.close()
                 self.fs.mv(target, final)

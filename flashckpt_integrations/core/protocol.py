@@ -1,0 +1,6 @@
+"""Names shared by the saver and its clients (kept apart so that neither imports the other)."""
+
+SOCKET_NAME = "saver.sock"
+LOCK_NAME = "saver.lock"
+LOG_NAME = "saver.log"
+SPAWN_LOCK_NAME = "spawn.lock"

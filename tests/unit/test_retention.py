@@ -1,0 +1,58 @@
+"""Retention keeps exactly the right steps, derived from storage, across saver restarts."""
+
+import os
+
+import pytest
+import torch
+
+from flashckpt_integrations import RetentionPolicy
+from tests.helpers import kill_savers, saver_pids
+
+
+@pytest.mark.parametrize(
+    ("policy", "committed", "deleted"),
+    [
+        (RetentionPolicy(), [1, 2, 3], []),
+        (RetentionPolicy(keep_last=2), [10, 20, 30, 40], [10, 20]),
+        (RetentionPolicy(keep_last=1), [5], []),
+        (RetentionPolicy(keep_every=100), [50, 100, 150, 200, 250], [50, 150]),
+        (RetentionPolicy(keep_last=2, keep_every=100), [50, 100, 150, 200, 250, 300], [50, 150]),
+        (RetentionPolicy(keep_last=3), [9, 10, 100], []),  # numeric order, not string order
+        (RetentionPolicy(keep_last=1), [2, 10, 9], [2, 9]),
+    ],
+)
+def test_policy_selection(policy, committed, deleted):
+    assert policy.select_deletions(committed) == deleted
+
+
+def test_policy_rejects_keeping_nothing():
+    with pytest.raises(ValueError, match="newest committed checkpoint must be kept"):
+        RetentionPolicy(keep_last=0)
+
+
+def test_saver_applies_retention_after_commit_and_survives_a_restart(make_checkpointer, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ck = make_checkpointer(ckpt, retention=RetentionPolicy(keep_last=2, keep_every=4))
+    for step in (1, 2, 3, 4, 5):
+        assert ck.save(step, {"w": torch.full((8,), float(step))}).wait(60).committed
+    _wait_for(lambda: ck.committed_steps() == [4, 5])
+    assert sorted(p for p in os.listdir(ckpt) if p.startswith("step-")) == ["step-4", "step-5"]
+
+    kill_savers(ck.run_dir)  # a new saver must decide from storage alone
+    _wait_for(lambda: not saver_pids(ck.run_dir))
+    for step in (6, 7, 8, 9):
+        assert ck.save(step, {"w": torch.full((8,), float(step))}).wait(60).committed
+    _wait_for(lambda: ck.committed_steps() == [4, 8, 9])
+    assert sorted(p for p in os.listdir(ckpt) if p.startswith("step-")) == ["step-4", "step-8", "step-9"]
+    assert (ckpt / "latest").read_text().strip() == "9"
+    assert torch.equal(ck.load(4, prefer_memory=False).state["w"], torch.full((8,), 4.0))
+
+
+def _wait_for(predicate, timeout=30.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)

@@ -1,0 +1,131 @@
+"""Storage backends, their failures, and object storage on a real S3-compatible server."""
+
+import contextlib
+import os
+import subprocess
+
+import pytest
+import torch
+
+from flashckpt_integrations import Storage, register_storage
+from flashckpt_integrations.core.storage import FsspecStorage, LocalStorage, storage_from_url, write_bytes
+from tests.s3_server import start_s3_server
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    server = start_s3_server()
+    yield server
+    server.stop()
+
+
+@contextlib.contextmanager
+def tmpfs(path, size):
+    os.makedirs(path, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_storage_protocol(kind, tmp_path):
+    storage = LocalStorage(str(tmp_path)) if kind == "local" else FsspecStorage(f"memory://proto-{os.getpid()}")
+    assert isinstance(storage, Storage)
+    write_bytes(storage, "a/b/file.bin", b"12345")
+    assert storage.exists("a/b/file.bin") and storage.read("a/b/file.bin") == b"12345"
+    assert storage.size("a/b/file.bin") == 5 and storage.list("a/b") == ["file.bin"]
+    assert storage.list("missing") == []
+    storage.rename("a/b", "a/c")
+    assert storage.read("a/c/file.bin") == b"12345" and not storage.exists("a/b")
+    storage.remove("a")
+    assert not storage.exists("a/c/file.bin")
+    storage.remove("a")  # removing a missing path is fine
+
+
+def test_local_write_is_atomic(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    with pytest.raises(RuntimeError), storage.open_write("x.bin") as f:
+        f.write(b"partial")
+        raise RuntimeError("crash while writing")
+    assert os.listdir(tmp_path) == []
+
+
+def test_registry_and_factory_strings(tmp_path):
+    seen = []
+
+    def factory(url, **options):
+        seen.append((url, options))
+        return LocalStorage(str(tmp_path))
+
+    register_storage("myfs", factory)
+    assert isinstance(storage_from_url("myfs://bucket/x", {"k": 1}), LocalStorage)
+    assert seen == [("myfs://bucket/x", {"k": 1})]
+    assert isinstance(storage_from_url(str(tmp_path), factory="tests.helpers:SlowStorage"), LocalStorage)
+    with pytest.raises(ValueError, match="bare name"):
+        register_storage("s3://", factory)
+
+
+def test_s3_save_commit_load_and_retention(s3_server, make_checkpointer):
+    from flashckpt_integrations import RetentionPolicy
+
+    bucket = s3_server.make_bucket("ckpts")
+    url = f"s3://{bucket}/run-1"
+    ck = make_checkpointer(url, storage_options=s3_server.storage_options, retention=RetentionPolicy(keep_last=1))
+    state = {"w": torch.randn(300, 100), "step": 1}
+    assert ck.save(1, state).wait(60).committed
+    state2 = {"w": torch.randn(300, 100), "step": 2}
+    assert ck.save(2, state2).wait(60).committed
+    loaded = ck.load(prefer_memory=False)
+    assert (loaded.step, loaded.source) == (2, "storage")
+    assert torch.equal(loaded.state["w"], state2["w"])
+    fs = FsspecStorage(url, **s3_server.storage_options)
+    deadline = __import__("time").monotonic() + 20
+    while fs.exists("step-1") and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.1)
+    assert not fs.exists("step-1") and fs.exists("step-2/rank-0.pt")
+    assert fs.read("latest").strip() == b"2"
+
+
+def test_read_only_storage_is_reported_and_the_last_commit_stays(tmp_path, make_checkpointer, caplog):
+    with tmpfs(tmp_path / "mnt", "64m") as mnt:
+        ck = make_checkpointer(mnt / "ckpt")
+        assert ck.save(1, {"w": torch.ones(10)}).wait(60).committed
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        result = ck.save(2, {"w": torch.full((10,), 2.0)})
+        outcome = result.wait(60)
+        assert not outcome.committed and "Read-only" in outcome.error
+        assert any("could not persist step 2" in r.message for r in caplog.records)
+        # training goes on: memory saves still work, the last commit is intact
+        assert ck.save(3, {"w": torch.full((10,), 3.0)}, persist=False).ok
+        assert ck.committed_steps() == [1]
+        assert torch.equal(ck.load(1, prefer_memory=False).state["w"], torch.ones(10))
+        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+        ck.close()
+
+
+def test_full_storage_is_reported_and_the_last_commit_stays(tmp_path, make_checkpointer):
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
+        ck = make_checkpointer(mnt / "ckpt")
+        assert ck.save(1, {"w": torch.ones(1000)}).wait(60).committed
+        outcome = ck.save(2, {"w": torch.ones(4 << 20)}).wait(60)
+        assert not outcome.committed and "full" in outcome.error
+        assert ck.committed_steps() == [1]
+        assert not [n for n in os.listdir(mnt / "ckpt" / "step-2")] if (mnt / "ckpt" / "step-2").exists() else True
+        assert torch.equal(ck.load(1, prefer_memory=False).state["w"], torch.ones(1000))
+        ck.close()
+
+
+def test_raising_fsspec_filesystem_is_reported(tmp_path, make_checkpointer):
+    root = tmp_path / "ckpt"
+    ck = make_checkpointer(root, storage_factory="tests.helpers:raising_fsspec_storage")
+    assert ck.save(1, {"w": torch.ones(3)}).wait(60).committed
+    (root / "FAIL").write_text("")
+    outcome = ck.save(2, {"w": torch.zeros(3)}).wait(60)
+    assert not outcome.committed and "injected failure" in outcome.error
+    os.unlink(root / "FAIL")
+    assert ck.save(3, {"w": torch.zeros(3)}).wait(60).committed
+    assert ck.committed_steps() == [1, 3]
