@@ -43,7 +43,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Optional
+from typing import Any
 
 HOST = "127.0.0.1"
 REGION = "us-east-1"
@@ -247,7 +247,7 @@ def start_s3_server(startup_timeout: float = 60.0, attempts: int = 3) -> S3Serve
     Raises ``RuntimeError`` (with the server log) if it does not come up.
     """
     _add_no_proxy(os.environ)  # type: ignore[arg-type]
-    last_err: Optional[str] = None
+    last_err: str | None = None
     for _ in range(attempts):
         port = _free_port()
         fd, log_path = tempfile.mkstemp(prefix="moto-s3-", suffix=".log")

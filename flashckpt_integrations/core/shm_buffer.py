@@ -116,10 +116,10 @@ class Slot:
         return cls(path, fd, size, populate=True)
 
     @classmethod
-    def attach(cls, path: str, *, writable: bool = True) -> Slot | None:
+    def attach(cls, path: str) -> Slot | None:
         """Map an existing slot, or return ``None`` when there is none."""
         try:
-            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
         except OSError as exc:

@@ -1,0 +1,137 @@
+"""``flashckpt``: look at checkpoints on storage and in shared memory, and clean up.
+
+    flashckpt ls DIR               committed steps on storage, and steps held in memory per rank
+    flashckpt inspect DIR STEP     one committed step: ranks, files, sizes, checksums
+    flashckpt clean DIR            remove this host's shared memory of the job that saves to DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+from typing import Any
+
+from .core.client import job_key
+from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
+from .core.shm_buffer import Slot
+from .core.storage import storage_from_url
+from .errors import FlashCkptError
+
+_SLOT_RE = re.compile(r"-r(\d+)-(\d)$")
+
+
+def _url(path: str) -> str:
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def _slots(url: str, job_id: str | None, shm_dir: str) -> list[tuple[int, str]]:
+    key = job_key(job_id or url)
+    found = []
+    for path in glob.glob(os.path.join(shm_dir, f"flashckpt-{os.getuid()}-{key}-r*-*")):
+        match = _SLOT_RE.search(path)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _memory(url: str, job_id: str | None, shm_dir: str) -> list[dict[str, Any]]:
+    rows = []
+    for rank, path in _slots(url, job_id, shm_dir):
+        slot = Slot.attach(path)
+        header = slot.read_header() if slot is not None else None
+        rows.append({
+            "rank": rank, "slot": os.path.basename(path), "bytes": os.path.getsize(path),
+            "state": header.state.name.lower() if header else "empty", "step": header.step if header else None,
+        })
+        if slot is not None:
+            slot.close()
+    return rows
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    url = _url(args.dir)
+    storage = storage_from_url(url)
+    committed = committed_steps(storage)
+    in_flight = [s for s in marked_steps(storage) if s not in committed and failure_record(storage, s) is None]
+    memory = _memory(url, args.job_id, args.shm_dir)
+    if args.json:
+        print(json.dumps({"committed": committed, "uncommitted": in_flight, "memory": memory}, indent=1))
+        return 0
+    print(f"{url}")
+    print(f"  committed steps: {', '.join(map(str, committed)) or '-'}")
+    if in_flight:
+        print(f"  not committed:   {', '.join(map(str, in_flight))}")
+    for row in memory:
+        step = row["step"] if row["state"] == "complete" else "-"
+        print(f"  memory rank {row['rank']:>4}  {row['slot']}  {row['bytes'] / 2**20:10.1f} MiB  "
+              f"{row['state']:>8}  step {step}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    url = _url(args.dir)
+    storage = storage_from_url(url)
+    record = commit_record(storage, args.step)
+    if record is None:
+        failure = failure_record(storage, args.step)
+        why = f": {failure['reason']}" if failure else ""
+        print(f"step {args.step} is not committed in {url}{why}", file=sys.stderr)
+        return 1
+    layout = Layout()
+    ranks = []
+    for rank in range(record["world_size"]):
+        marker = read_json(storage, layout.rank_marker(args.step, rank))
+        ranks.append({"rank": rank, "files": marker["files"]})
+    if args.json:
+        print(json.dumps({"commit": record, "ranks": ranks}, indent=1))
+        return 0
+    total = sum(f["size"] for r in ranks for f in r["files"])
+    print(f"step {args.step}: {record['world_size']} ranks, {total / 2**20:.1f} MiB in {record['step_dir']}/")
+    for row in ranks:
+        for entry in row["files"]:
+            print(f"  rank {row['rank']:>4}  {entry['path']:<40} {entry['size']:>14,d} B  "
+                  f"crc32 {entry['crc32']:08x}  {entry['codec']}")
+    return 0
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    url = _url(args.dir)
+    removed = 0
+    for _, path in _slots(url, args.job_id, args.shm_dir):
+        os.unlink(path)
+        removed += 1
+    print(f"removed {removed} shared-memory slot(s) of the job saving to {url}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shm-dir", default="/dev/shm")
+    parser.add_argument("--job-id", default=None, help="the job id, when the job set one explicitly")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="committed steps and in-memory snapshots")
+    ls.add_argument("dir")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+    inspect = sub.add_parser("inspect", help="files, sizes and checksums of a committed step")
+    inspect.add_argument("dir")
+    inspect.add_argument("step", type=int)
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=cmd_inspect)
+    clean = sub.add_parser("clean", help="remove this host's shared memory of a job")
+    clean.add_argument("dir")
+    clean.set_defaults(func=cmd_clean)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except FlashCkptError as exc:
+        print(f"flashckpt: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

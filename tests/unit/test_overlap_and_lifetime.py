@@ -1,0 +1,144 @@
+"""Overlapped snapshots, the saver's lifetime, and waiting for durability at exit."""
+
+import os
+import signal
+import textwrap
+import time
+
+import torch
+
+from flashckpt_integrations import Checkpointer
+from tests.helpers import run_python, saver_pids
+
+
+def train_steps(model, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def test_overlapped_snapshot_is_consistent_with_the_step_it_was_taken_at(make_checkpointer):
+    model, opt = make_model()
+    train_steps(model, opt, 3, seed=1)
+    ck = make_checkpointer(optimizers=[opt], async_snapshot=True)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    result = ck.save(3, state, persist=True)
+    assert result.status.value == "persisting"
+    train_steps(model, opt, 2, seed=2)  # the optimizer's pre-hook waits for the copy before it changes params
+    assert result.wait(60).committed
+    for source in ("memory", "storage"):
+        loaded = ck.load(3, prefer_memory=source == "memory")
+        assert loaded.source == source
+        for name, tensor in expected.items():
+            assert torch.equal(loaded.state["model"][name], tensor), (source, name)
+    assert not torch.equal(model.state_dict()["0.weight"], expected["0.weight"])
+
+
+def test_resume_from_overlapped_snapshot_matches_an_uninterrupted_run(make_checkpointer, tmp_path):
+    ref_model, ref_opt = make_model()
+    train_steps(ref_model, ref_opt, 6, seed=5)
+
+    model, opt = make_model()
+    ck = make_checkpointer(optimizers=[opt], async_snapshot=True)
+    train_steps(model, opt, 4, seed=5)
+    ck.save(4, {"model": model.state_dict(), "optim": opt.state_dict()}, persist=False)
+    train_steps(model, opt, 1, seed=99)  # progress that is lost in the crash
+
+    new_model, new_opt = make_model()
+    loaded = ck.load()
+    new_model.load_state_dict(loaded.state["model"])
+    new_opt.load_state_dict(loaded.state["optim"])
+    # same data stream as the reference from step 4 on
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        torch.randn(32, 64, generator=g)
+    for _ in range(2):
+        x = torch.randn(32, 64, generator=g)
+        loss = new_model(x).pow(2).mean()
+        new_opt.zero_grad()
+        loss.backward()
+        new_opt.step()
+    for (name, a), b in zip(ref_model.state_dict().items(), new_model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_exit_without_close_waits_for_the_persist(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        from flashckpt_integrations import Checkpointer
+        ck = Checkpointer(sys.argv[1], storage_factory="tests.helpers:SlowStorage")
+        ck.save(1, {"w": torch.ones(1000)})
+        # no wait(), no close(): interpreter exit must not lose the in-flight checkpoint
+        """
+    )
+    started = time.monotonic()
+    proc = run_python(code, ckpt, env={"FLASHCKPT_TEST_WRITE_DELAY": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started > 2
+    with Checkpointer(ckpt) as ck:
+        assert ck.committed_steps() == [1]
+
+
+def test_saver_outlives_a_crashed_trainer_and_ends_with_the_job(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, torch
+        from flashckpt_integrations import Checkpointer
+        ck = Checkpointer(sys.argv[1])
+        ck.save(1, {"w": torch.ones(10)}, persist=False)
+        print(ck.run_dir, flush=True)
+        if sys.argv[2] == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        ck.close()
+        """
+    )
+    crashed = run_python(code, ckpt, "crash")
+    assert crashed.returncode == -signal.SIGKILL
+    run_dir = crashed.stdout.strip()
+    pids = saver_pids(run_dir)
+    assert len(pids) == 1, "the saver must outlive the crashed trainer"
+    clean = run_python(code, ckpt, "clean")
+    assert clean.returncode == 0, clean.stderr
+    assert _gone(pids[0]), "the saver must exit once the job closed"
+    assert not any(os.path.exists(p) for p in _slot_paths(ckpt)), "a clean end frees shared memory"
+
+
+def _gone(pid, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _slot_paths(ckpt):
+    from flashckpt_integrations.core.client import job_key
+
+    return [f"/dev/shm/flashckpt-{os.getuid()}-{job_key(ckpt)}-r0-{k}" for k in (0, 1)]
+
+
+def test_saver_is_a_separate_program_not_a_fork(make_checkpointer):
+    ck = make_checkpointer()
+    ck.save(1, {"w": torch.ones(4)}).wait(60)
+    (pid,) = saver_pids(ck.run_dir)
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read().split(b"\0")
+    assert b"flashckpt_integrations.core.saver" in cmdline
+    assert os.getsid(pid) == pid, "the saver runs in its own session"
