@@ -151,7 +151,8 @@ class Checkpointer:
         self._client = SaverClient(self.run_dir, self.rank, start_timeout=self.config.saver_start_timeout_s)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
         self._snapshot: Future | None = None
-        self._results: list[SaveResult] = []
+        self._pending: list[SaveResult] = []
+        self._newest_persist: SaveResult | None = None
         self._hooks: list[Any] = []
         self._lock = threading.RLock()
         self._closed = False
@@ -245,17 +246,17 @@ class Checkpointer:
             self._snapshot = None
 
     def wait(self, timeout: float | None = None) -> PersistResult | None:
-        """Wait for every save of this rank to be committed (or failed); return the newest."""
+        """Wait for every persisting save of this rank to be committed (or to fail).
+
+        Returns the outcome of the newest persisting save, or ``None`` when there was none.
+        """
         self.wait_for_snapshot()
-        newest = None
         deadline = None if timeout is None else time.monotonic() + timeout
-        for result in list(self._results):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            outcome = result.wait(remaining)
-            if result.status is SaveStatus.PERSISTING:
-                newest = outcome
-        self._results = [r for r in self._results if r._persist is not None and not r._persist.done()]
-        return newest
+        for result in list(self._pending):
+            result.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._pending = [r for r in self._pending if not r._persist.done()]
+        newest = self._newest_persist
+        return None if newest is None else newest.wait()
 
     def committed_steps(self) -> list[int]:
         """Steps committed on storage, ascending."""
@@ -496,8 +497,9 @@ class Checkpointer:
         result.blocking_s = time.perf_counter() - started
         if result.status in (SaveStatus.SKIPPED, SaveStatus.FAILED):
             logger.error("[RANK %d] save of step %d %s: %s", self.rank, result.step, result.status.value, result.reason)
-        else:
-            self._results.append(result)
+        elif result.status is SaveStatus.PERSISTING:
+            self._pending = [r for r in self._pending if not r._persist.done()] + [result]
+            self._newest_persist = result
             logger.debug("[RANK %d] step %d %s, blocked %.3fs", self.rank, result.step, result.status.value,
                          result.blocking_s)
         return result

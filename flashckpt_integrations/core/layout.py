@@ -7,7 +7,7 @@ For step ``N`` with ``step_dir="step-{step}"``::
     <root>/.flashckpt/steps/N/rank-<r>.failed  rank r could not persist (JSON: the error)
     <root>/.flashckpt/steps/N/COMMITTED        written once, by the committer, after every marker
     <root>/.flashckpt/steps/N/FAILED           the commit gave up (JSON: why)
-    <root>/<tracker>                           e.g. "latest", written after COMMITTED
+    <root>/<tracker>                           e.g. "latest", written just before COMMITTED
 
 With ``staging`` the ranks write under ``.flashckpt/staging/step-N/`` and the committer renames
 that directory to ``step-N`` before it writes COMMITTED, so a reader that finds checkpoints by

@@ -272,12 +272,14 @@ class Saver:
                 time.sleep(COMMIT_POLL_S)
             if layout.staging:
                 storage.rename(layout.write_path(step), layout.step_path(step))
+            # Every rank's files are durable: the tracker may name this step (unless a newer one
+            # is already committed), then the commit record makes it count for our loaders.
+            committed = committed_steps(storage)
+            if layout.tracker and (not committed or committed[-1] < step):
+                write_bytes(storage, layout.tracker, layout.tracker_bytes(step))
             write_json(storage, f"{marker_dir}/{COMMITTED}", {
                 "step": step, "world_size": world_size, "step_dir": layout.step_path(step), "time": now(),
             })
-            committed = committed_steps(storage)
-            if layout.tracker and committed and committed[-1] == step:
-                write_bytes(storage, layout.tracker, layout.tracker_bytes(step))
             logger.info("step %d committed (%d ranks)", step, world_size)
         except Exception as exc:
             logger.error("commit of step %d failed: %s", step, exc)

@@ -185,3 +185,21 @@ def test_wrong_format_version_is_a_clear_error(make_checkpointer):
         assert "format version 99" in str(exc)
     else:
         raise AssertionError("a slot of another format version must not be read")
+
+
+def test_staging_layout_publishes_the_step_directory_only_at_commit(make_checkpointer, tmp_path, monkeypatch):
+    from flashckpt_integrations import Layout
+
+    monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "1")
+    layout = Layout(step_dir="iter_{step:07d}", tracker="latest_checkpointed_iteration.txt",
+                    tracker_content="{step}", staging=True)
+    ck = make_checkpointer(layout=layout, storage_factory="tests.helpers:SlowStorage")
+    result = ck.save(42, expected(42))
+    import time
+
+    time.sleep(0.5)
+    assert not (tmp_path / "ckpt" / "iter_0000042").exists(), "a step directory must not appear before commit"
+    assert result.wait(60).committed
+    assert (tmp_path / "ckpt" / "iter_0000042" / "rank-0.pt").exists()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "42"
+    assert torch.equal(ck.load(prefer_memory=False).state["w"], expected(42)["w"])
