@@ -7,7 +7,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_device_tensors_round_trip_and_come_back_on_their_device(make_checkpointer):
-    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda").half(), "cpu": torch.ones(3)}
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda").half(),
+             "cpu": torch.ones(3)}
     ck = make_checkpointer()
     assert ck.save(1, state).wait(120).committed
     for prefer_memory in (True, False):
