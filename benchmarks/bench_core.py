@@ -115,13 +115,18 @@ class SimulatedStep:
     def _calibrate(self) -> int:
         for _ in range(20):
             torch.mm(self.a, self.b)
-        per = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                torch.mm(self.a, self.b)
-            per.append((time.perf_counter() - t0) / 20)
-        return max(1, round(self.target_s / min(per)))  # min: the machine is shared and noisy
+        t0 = time.perf_counter()
+        for _ in range(50):
+            torch.mm(self.a, self.b)
+        self.iters = max(1, round(self.target_s / ((time.perf_counter() - t0) / 50)))
+        for _ in range(2):  # then time the whole step and scale, twice
+            self.rescale(statistics.median(timed(self)[0] for _ in range(3)))
+        return self.iters
+
+    def rescale(self, measured_s: float) -> None:
+        """Adjust the matmul count so that the step takes ``target_s`` (given it took ``measured_s``)."""
+        if self.mode == "matmul" and measured_s > 0:
+            self.iters = max(1, round(self.iters * self.target_s / measured_s))
 
     def __call__(self) -> None:
         if self.mode == "sleep":
@@ -200,6 +205,7 @@ class Bench:
         self.dcp_process_ok = not args.skip_dcp
         self.dist_initialized = False
         self.restore_correct = True
+        self.recalibrations = 0
         self.root: str | None = None
         self.shm_dir: str | None = None
 
@@ -227,7 +233,7 @@ class Bench:
         for _ in range(2):
             self.raw.copy(self.state)
         warm = [timed(lambda: self.raw.copy(self.state))[0] for _ in range(5)]
-        self.step_fn = SimulatedStep(a.step, a.step_ratio * min(warm))
+        self.step_fn = SimulatedStep(a.step, a.step_ratio * statistics.median(warm))
 
         self.ck = self.new_checkpointer("main", retention=RetentionPolicy(keep_last=2))
         wait_saver_connected(self.ck)
@@ -353,7 +359,15 @@ class Bench:
 
     def measure_overlap(self) -> None:
         self.quiesce()
-        self.samples.add("step_alone", timed(self.step_fn)[0])
+        raw = self.samples.values["raw_copy"][-1]  # measured just before, in this repeat
+        alone = timed(self.step_fn)[0]
+        if self.step_fn.mode == "matmul" and not 1.5 * raw <= alone <= 4 * raw:
+            # The machine got faster or slower since the calibration: re-aim at step_ratio x raw_copy.
+            self.step_fn.target_s = self.args.step_ratio * raw
+            self.step_fn.rescale(alone)
+            self.recalibrations += 1
+            alone = timed(self.step_fn)[0]
+        self.samples.add("step_alone", alone)
         self.quiesce()
         t0 = time.perf_counter()
         r = self.ck.save(self.next_step(), self.state, persist=False, async_snapshot=True)
@@ -370,6 +384,7 @@ class Bench:
         self.samples.add("overlap_wait", t3 - t2)
         self.samples.add("overlap_stall", (t1 - t0) + (t3 - t2))
         self.samples.add("step_with_copy", t2 - t1)
+        self.samples.add("step_slowdown", (t2 - t1) / alone)
 
     def measure_restore(self) -> None:
         self.quiesce()
@@ -422,10 +437,17 @@ class Bench:
         committed_path = os.path.join(self.ck.url, Layout.marker_dir(step), "COMMITTED")
         with contextlib.suppress(OSError):
             self.samples.add("commit_seen_delay", max(0.0, returned - os.stat(committed_path).st_mtime))
-        # Retention deletes old steps after the commit, in the saver: let it finish first.
+        # Retention deletes old steps after the commit, in the saver (a 1 GiB unlink is not
+        # free): let it finish before the next measurement starts.
         keep = self.ck.config.retention.keep_last or 0
-        deadline = time.monotonic() + 10
-        while keep and time.monotonic() < deadline and len(self.ck.committed_steps()) > keep:
+        markers = os.path.join(self.ck.url, Layout.marker_dir(0).rsplit("/", 1)[0])
+
+        def retained() -> bool:
+            steps = [d for d in os.listdir(self.ck.url) if d.startswith("step-")]
+            return len(steps) <= keep and len(os.listdir(markers)) <= keep
+
+        deadline = time.monotonic() + 30
+        while keep and time.monotonic() < deadline and not retained():
             time.sleep(0.02)
 
     def measure_torch_save(self, rep: int) -> None:
@@ -530,12 +552,13 @@ def build_report(bench: Bench) -> dict[str, Any]:
     rows = []
     for metric, rate, group in ROWS:
         if metric == "step slowdown":
-            alone, with_copy = med.get("step_alone"), med.get("step_with_copy")
-            if alone and with_copy:
+            with_copy, slowdown = med.get("step_with_copy"), med.get("step_slowdown")
+            if with_copy and slowdown:
                 rows.append({"metric": metric, "group": group, "median_s": with_copy,
                              "min_s": s.min("step_with_copy"), "gib_s": None,
-                             "x_raw_copy": None, "ratio": with_copy / alone, "target": "info",
-                             "result": f"{with_copy / alone:.2f}x step time"})
+                             "x_raw_copy": with_copy / raw if raw else None, "ratio": slowdown,
+                             "target": "info (step with copy)",
+                             "result": f"{slowdown:.2f}x the step alone"})
             continue
         value = med.get(metric)
         if value is None:
@@ -568,6 +591,7 @@ def build_report(bench: Bench) -> dict[str, Any]:
         "step_mode": bench.step_fn.mode,
         "step_matmul_iters": bench.step_fn.iters,
         "step_target_s": bench.step_fn.target_s,
+        "step_recalibrations": bench.recalibrations,
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
@@ -603,6 +627,8 @@ def print_report(report: dict[str, Any]) -> None:
         what = f"time.sleep({report['step_target_s']:.3f})"
     if med.get("step_alone") and med.get("raw_copy"):
         what += f"; alone it takes {med['step_alone'] / med['raw_copy']:.2f}x raw_copy"
+    if report["step_recalibrations"]:
+        what += f" (re-calibrated {report['step_recalibrations']}x during the run)"
     print(f"  simulated step: {what}")
     comparisons = [
         ("warm_save", "dcp_async_save_thread", "warm_save vs dcp.async_save(thread) blocking"),

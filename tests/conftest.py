@@ -1,5 +1,6 @@
-import glob
 import os
+import shutil
+import uuid
 
 import pytest
 
@@ -7,15 +8,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_slots():
-    """Each test removes the shared memory it leaves behind (crash tests leave it on purpose)."""
-    before = set(glob.glob(f"/dev/shm/flashckpt-{os.getuid()}-*"))
-    yield
-    for path in set(glob.glob(f"/dev/shm/flashckpt-{os.getuid()}-*")) - before:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+def private_shm_dir(monkeypatch):
+    """Each test gets its own shared-memory directory, inherited by the processes it starts,
+    so that tests (and anything else on the host) never see or remove each other's slots."""
+    path = f"/dev/shm/flashckpt-test-{uuid.uuid4().hex[:12]}"
+    os.mkdir(path, 0o700)
+    monkeypatch.setenv("FLASHCKPT_SHM_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -154,8 +155,13 @@ def same_parameters(path_a: str, path_b: str) -> tuple[bool, str]:
     return True, f"{len(a)} tensors, {sum(t.numel() for t in a.values()):,} values, all bit-identical"
 
 
+def job_dirs(workdir: str) -> tuple[str, str]:
+    """Checkpoint directories of the crashed/resumed job and of the reference job."""
+    return os.path.join(workdir, "ckpt-crash"), os.path.join(workdir, "ckpt-reference")
+
+
 def run_demo(workdir: str, timeout: float, extra: list[str]) -> dict:
-    crash_dir, ref_dir = os.path.join(workdir, "ckpt-crash"), os.path.join(workdir, "ckpt-reference")
+    crash_dir, ref_dir = job_dirs(workdir)
     resumed_out, ref_out = os.path.join(workdir, "resumed.pt"), os.path.join(workdir, "reference.pt")
     logs = {k: os.path.join(workdir, f"{k}.log") for k in ("crash", "relaunch", "reference")}
     timings = {}
@@ -172,16 +178,25 @@ def run_demo(workdir: str, timeout: float, extra: list[str]) -> dict:
                             f"{_tail(logs['crash'])}")
     print(f"   -> torchrun exited with code {rc}: the job was killed, as intended "
           f"(newest checkpoint on disk: step {CRASH_AT // PERSIST_EVERY * PERSIST_EVERY})")
+    slots = job_leftovers(crash_dir)[1]
+    if not slots:
+        raise DemoError("the killed job left no shared-memory slots behind; something removed them")
+    print(f"   -> its snapshots outlive it in shared memory: {len(slots)} slots in {os.path.dirname(slots[0])}")
 
     # 2. the same command again: it must resume from shared memory at CRASH_AT.
     rc, resumed, timings["relaunch"] = launch(
         "2. relaunch of the same command", crash_dir, resumed_out, logs["relaunch"], crash_at=CRASH_AT,
         timeout=timeout, extra=extra)
+    with open(logs["relaunch"]) as f:
+        found = re.search(r"resumed from step (\d+) \((\w+)\)", f.read())
+    where = f"{found.group(2)} at step {found.group(1)}" if found else "nothing (it started from scratch)"
+    if where != f"memory at step {CRASH_AT}":
+        raise DemoError(f"the relaunch resumed from {where}; expected memory at step {CRASH_AT} (were the slots "
+                        f"removed in between, e.g. by another program cleaning {os.path.dirname(slots[0])}?). "
+                        f"Log: {logs['relaunch']}")
     if rc != 0 or resumed is None:
         raise DemoError(f"the relaunch failed (exit code {rc}). Log: {logs['relaunch']}\n{_tail(logs['relaunch'])}")
-    if resumed["source"] != "memory" or resumed["resumed_from_step"] != CRASH_AT:
-        raise DemoError(f"the relaunch resumed from {resumed['source']} at step {resumed['resumed_from_step']}; "
-                        f"expected memory at step {CRASH_AT}. Log: {logs['relaunch']}")
+    assert resumed["source"] == "memory" and resumed["resumed_from_step"] == CRASH_AT, resumed
     print(f"   -> resumed from shared memory at step {CRASH_AT} in {resumed['load_ms']:.0f} ms")
 
     # 3. the same training without a crash.
@@ -221,8 +236,11 @@ def _print_stall_table(summary: dict) -> None:
 
 
 def _tail(path: str, lines: int = 30) -> str:
+    """The ranks' own error lines (torchrun prefixes them with [rankN]:), else the log's tail."""
     with open(path) as f:
-        return "".join(f.readlines()[-lines:])
+        text = f.readlines()
+    errors = [line for line in text if (line.startswith("[rank") and "]: " in line[:10]) or ": error: " in line]
+    return "".join(errors[-lines:] if errors else text[-lines:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,11 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_demo(workdir, args.timeout, args.train_args)
     except DemoError as exc:
-        print(f"\ndemo FAILED: {exc}", flush=True)
+        print(f"\ndemo FAILED: {exc}\n(checkpoints and logs kept in {workdir})", flush=True)
+        for problem in wait_for_clean_end(list(job_dirs(workdir)), timeout=5.0):
+            print(f"cleanup: {problem}")
         return 1
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
     total = time.monotonic() - started
     t = result["timings"]
     print(f"\nwall time: {total:.1f}s (crash run {t['crash']:.1f}s, relaunch {t['relaunch']:.1f}s, "

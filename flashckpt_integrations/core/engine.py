@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -80,7 +80,10 @@ class SaveResult:
     reason: str | None = None
     blocking_s: float = 0.0
     _snapshot: Future | None = field(default=None, repr=False)
-    _persist: Future | None = field(default=None, repr=False)
+    _durable: Future | None = field(default=None, repr=False)
+    """Resolves with the saver's answer once this rank's files are durable (or failed)."""
+    _poll_commit: Callable[[int, float | None], PersistResult] | None = field(default=None, repr=False)
+    _outcome: PersistResult | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -88,15 +91,25 @@ class SaveResult:
 
     def wait(self, timeout: float | None = None) -> PersistResult:
         """Wait until the snapshot is in memory and, when persisting, committed or failed."""
+        if self._outcome is not None:
+            return self._outcome
         if not self.ok:
             return PersistResult(self.step, False, self.reason)
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._snapshot is not None:
-            error = self._snapshot.result(timeout)
-            if error is not None:
-                return PersistResult(self.step, False, error)
-        if self._persist is None:
+            self._snapshot.result(timeout)
+        if self._durable is None:
             return PersistResult(self.step, False, None)
-        return self._persist.result(timeout)
+        answer = self._durable.result(_remaining(deadline))
+        if answer.get("ok"):
+            self._outcome = self._poll_commit(self.step, _remaining(deadline))
+        else:
+            self._outcome = PersistResult(self.step, False, answer.get("error"))
+        return self._outcome
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @dataclass
@@ -224,10 +237,10 @@ class Checkpointer:
             slot.begin_write(step, seq)
             for offset, blob in plan.blobs():
                 slot.write_blob(offset, blob)
-            persist_future: Future | None = Future() if persist else None
+            durable: Future | None = Future() if persist else None
             status = SaveStatus.PERSISTING if persist else SaveStatus.IN_MEMORY
-            result = SaveResult(step, status, _persist=persist_future)
-            args = (index, slot, plan, step, seq, end, raw_meta, persist_future)
+            result = SaveResult(step, status, _durable=durable, _poll_commit=self._poll_commit)
+            args = (index, slot, plan, step, seq, end, raw_meta, durable)
             events = _record_device_events(plan)
             if overlap:
                 self._snapshot = self._copier.submit(self._complete, *args, events)
@@ -254,7 +267,7 @@ class Checkpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         for result in list(self._pending):
             result.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._pending = [r for r in self._pending if not r._persist.done()]
+        self._pending = [r for r in self._pending if not r._durable.done()]
         newest = self._newest_persist
         return None if newest is None else newest.wait()
 
@@ -356,7 +369,7 @@ class Checkpointer:
 
     def _complete(
         self, index: int, slot: Slot, plan: Any, step: int, seq: int, meta_offset: int, raw_meta: bytes,
-        persist: Future | None, events: list[Any],
+        durable: Future | None, events: list[Any],
     ) -> str | None:
         """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None."""
         try:
@@ -368,13 +381,12 @@ class Checkpointer:
             slot.invalidate()
             error = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"
             logger.error("[RANK %d] %s", self.rank, error)
-            if persist is not None:
-                persist.set_result(PersistResult(step, False, error))
+            if durable is not None:
+                durable.set_result({"ok": False, "error": error})
             return error
-        if persist is not None:
-            durable: Future = Future()
+        if durable is not None:
             self._persisting[index] = durable
-            self._requester.submit(self._request_persist, slot, step, seq, durable, persist)
+            self._requester.submit(self._request_persist, slot, step, seq, durable)
         return None
 
     def _connect_quietly(self) -> None:
@@ -384,7 +396,7 @@ class Checkpointer:
         except SaverProcessError as exc:
             logger.warning("[RANK %d] saver not reachable yet: %s", self.rank, exc)
 
-    def _request_persist(self, slot: Slot, step: int, seq: int, durable: Future, outcome: Future) -> None:
+    def _request_persist(self, slot: Slot, step: int, seq: int, durable: Future) -> None:
         """Hand a sealed slot to the saver and wait until the rank's files are durable.
 
         Runs on the request thread, in save order. A saver that dies is restarted and asked
@@ -407,17 +419,16 @@ class Checkpointer:
                 answer = {"ok": False, "error": f"the saver is unavailable: {exc}"}
                 if attempt == 0:
                     logger.warning("[RANK %d] %s; restarting it and retrying step %d", self.rank, exc, step)
-        durable.set_result(answer)
         if not answer.get("ok"):
             error = f"rank {self.rank} could not persist step {step}; it stays in memory only: {answer.get('error')}"
             logger.error("[RANK %d] %s", self.rank, error)
-            outcome.set_result(PersistResult(step, False, error))
-            return
-        threading.Thread(target=lambda: outcome.set_result(self._poll_commit(step)),
-                         name=f"flashckpt-commit-{step}", daemon=True).start()
+            answer = {"ok": False, "error": error}
+        durable.set_result(answer)
 
-    def _poll_commit(self, step: int) -> PersistResult:
-        deadline = time.monotonic() + self.config.commit_timeout_s + 30
+    def _poll_commit(self, step: int, timeout: float | None = None) -> PersistResult:
+        """Watch storage until ``step`` is committed or failed (works on every node)."""
+        limit = self.config.commit_timeout_s + 30
+        deadline = time.monotonic() + (limit if timeout is None else min(timeout, limit))
         marker_dir = Layout.marker_dir(step)
         delay = 0.005
         while time.monotonic() < deadline:
@@ -433,6 +444,8 @@ class Checkpointer:
                 logger.warning("[RANK %d] cannot read commit state of step %d: %s", self.rank, step, exc)
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
+        if timeout is not None and timeout < limit:
+            raise TimeoutError(f"step {step} was not committed within {timeout}s; it may still be")
         return PersistResult(step, False, f"no commit of step {step} appeared within the commit timeout")
 
     def _choose_slot(self) -> tuple[int | None, str | None]:
@@ -460,12 +473,19 @@ class Checkpointer:
         return slot is not None and _locked_by_saver(slot)
 
     def _slot(self, index: int) -> Slot | None:
-        if self._slots[index] is None:
-            self._slots[index] = Slot.attach(self.slot_paths[index])
-        return self._slots[index]
+        """The mapped slot ``index``; remapped when its file was removed or replaced."""
+        slot = self._slots[index]
+        if slot is not None and slot.replaced():
+            logger.warning("[RANK %d] shared-memory slot %s was removed or replaced under this job; "
+                           "its snapshot is gone", self.rank, slot.path)
+            slot.close()
+            slot = self._slots[index] = None
+        if slot is None:
+            slot = self._slots[index] = Slot.attach(self.slot_paths[index])
+        return slot
 
     def _ensure_slot(self, index: int, nbytes: int, *, pin: bool) -> Slot:
-        slot = self._slots[index]
+        slot = self._slot(index)
         if slot is None:
             slot = self._slots[index] = Slot.create_or_open(self.slot_paths[index], nbytes)
         else:
@@ -498,7 +518,7 @@ class Checkpointer:
         if result.status in (SaveStatus.SKIPPED, SaveStatus.FAILED):
             logger.error("[RANK %d] save of step %d %s: %s", self.rank, result.step, result.status.value, result.reason)
         elif result.status is SaveStatus.PERSISTING:
-            self._pending = [r for r in self._pending if not r._persist.done()] + [result]
+            self._pending = [r for r in self._pending if not r._durable.done()] + [result]
             self._newest_persist = result
             logger.debug("[RANK %d] step %d %s, blocked %.3fs", self.rank, result.step, result.status.value,
                          result.blocking_s)
@@ -595,13 +615,14 @@ def _dumps(meta: dict[str, Any]) -> bytes:
 
 def _locked_by_saver(slot: Slot) -> bool:
     """The saver holds an exclusive lock on a slot file while it persists it."""
-    fd = os.open(slot.path, os.O_RDONLY)
+    try:
+        fd = os.open(slot.path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
-    except FileNotFoundError:
-        return False
     finally:
         os.close(fd)
     return False

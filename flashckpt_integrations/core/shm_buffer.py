@@ -166,6 +166,13 @@ class Slot:
             os.close(self._fd)
             self._fd = -1
 
+    def replaced(self) -> bool:
+        """Whether the slot's name no longer leads to the mapped file (removed or recreated)."""
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            return True
+
     def lock(self) -> None:
         """Hold an exclusive lock on the slot file (the saver, while it persists the slot)."""
         fcntl.flock(self._fd, fcntl.LOCK_EX)

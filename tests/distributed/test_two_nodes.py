@@ -67,6 +67,7 @@ def test_killing_one_nodes_saver_mid_persist_keeps_the_previous_commit(tmp_path)
     while not os.path.exists(out / "done-0"):
         assert time.monotonic() < deadline, "rank 0 never learnt the outcome of step 2"
         time.sleep(0.1)
+    os.kill(records(out)[0]["pid"], signal.SIGKILL)  # workers run in their own sessions
     os.killpg(procs[0].pid, signal.SIGKILL)
     for proc in procs:
         proc.wait(30)

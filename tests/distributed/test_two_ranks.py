@@ -40,7 +40,7 @@ def test_memory_is_used_only_when_every_rank_holds_the_step(tmp_path):
     # rank 1 loses its memory (say its node was replaced): nobody may load step 2
     prefix = f"flashckpt-{os.getuid()}-{job_key(str(ckpt))}-r1-"
     for k in (0, 1):
-        os.unlink(f"/dev/shm/{prefix}{k}")
+        os.unlink(os.path.join(os.environ["FLASHCKPT_SHM_DIR"], f"{prefix}{k}"))
     second = run(ckpt, tmp_path / "run2", "load,close")
     assert second.returncode == 0, second.stderr[-3000:]
     recs = records(tmp_path / "run2")

@@ -9,7 +9,8 @@ import torch
 
 
 def flashckpt(*args):
-    return subprocess.run([sys.executable, "-m", "flashckpt_integrations.cli", *args], capture_output=True,
+    shm = ["--shm-dir", os.environ["FLASHCKPT_SHM_DIR"]]
+    return subprocess.run([sys.executable, "-m", "flashckpt_integrations.cli", *shm, *args], capture_output=True,
                           text=True, timeout=120)
 
 

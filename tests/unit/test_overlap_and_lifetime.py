@@ -99,7 +99,8 @@ def test_saver_outlives_a_crashed_trainer_and_ends_with_the_job(tmp_path):
         import os, signal, sys, torch
         from flashckpt_integrations import Checkpointer
         ck = Checkpointer(sys.argv[1])
-        ck.save(1, {"w": torch.ones(10)}, persist=False)
+        assert ck.save(1, {"w": torch.ones(10)}).wait(60).committed  # the saver is up
+        ck.save(2, {"w": torch.ones(10)}, persist=False)
         print(ck.run_dir, flush=True)
         if sys.argv[2] == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -131,7 +132,8 @@ def _gone(pid, timeout=10.0):
 def _slot_paths(ckpt):
     from flashckpt_integrations.core.client import job_key
 
-    return [f"/dev/shm/flashckpt-{os.getuid()}-{job_key(ckpt)}-r0-{k}" for k in (0, 1)]
+    shm = os.environ["FLASHCKPT_SHM_DIR"]
+    return [f"{shm}/flashckpt-{os.getuid()}-{job_key(ckpt)}-r0-{k}" for k in (0, 1)]
 
 
 def test_saver_is_a_separate_program_not_a_fork(make_checkpointer):
