@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from flashckpt_integrations import Checkpointer, CheckpointerConfig, Layout, RetentionPolicy, SaveStatus
+from flashckpt_integrations.core.engine import STATE_FILE
 
 GIB = 1 << 30
 ALIGN = 64
@@ -183,6 +184,19 @@ def drop_path(path: str) -> None:
             os.unlink(path)
 
 
+def filesystem_of(path: str) -> str:
+    """``"<type> on <device> (<options>)"`` of the mount that holds ``path`` (Linux)."""
+    path = os.path.realpath(path)
+    best = ("", "?", "?", "")
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
+        for line in f:
+            device, mount, fstype, options = line.split()[:4]
+            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best[0]):
+                best = (mount, device, fstype, options)
+    return f"{best[2]} on {best[1]} ({best[3]})"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -226,8 +240,12 @@ class Bench:
         print(f"state: {len(self.state)} float32 tensors, {self.nbytes / GIB:.3f} GiB "
               f"(largest {max(t.numel() for t in self.state.values()) * 4 / 2**20:.1f} MiB, smallest "
               f"{min(t.numel() for t in self.state.values()) * 4} B), built in {time.perf_counter() - t0:.1f}s")
-        print(f"dir: {self.root}  (torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
-              f"{os.cpu_count()} CPUs)")
+        fs = filesystem_of(self.root)
+        print(f"dir: {self.root}: {fs}")
+        if fs.startswith("tmpfs"):
+            print("WARNING: --dir is on tmpfs (memory), not a disk: the persist numbers mean little")
+        print(f"slots: {self.shm_dir}; torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+              f"{os.cpu_count()} CPUs")
 
         self.raw = RawBuffer(self.state, self.shm_dir)
         for _ in range(2):
@@ -296,10 +314,10 @@ class Bench:
             for run_dir in self.run_dirs:
                 shutil.rmtree(run_dir, ignore_errors=True)
         left = [p for p in self.slot_paths if os.path.exists(p)]
-        print(f"shared memory left by this run: {', '.join(left) if left else 'none'} "
+        print(f"shared memory left by the checkpointers after close(): {', '.join(left) if left else 'none'} "
               f"({len(self.slot_paths)} slot paths used)")
-        if not left and self.shm_dir:
-            shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self.shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)  # ours alone; removes anything left there
 
     def new_checkpointer(self, name: str, **config: Any) -> Checkpointer:
         path = os.path.join(self.root, f"{name}-{uuid.uuid4().hex[:8]}")
@@ -423,6 +441,7 @@ class Bench:
     def measure_call_to_committed(self) -> None:
         self.quiesce()
         step = self.next_step()
+        started = time.time()
         t0 = time.perf_counter()
         r = self.ck.save(step, self.state, persist=True)
         outcome = r.wait()
@@ -433,10 +452,16 @@ class Bench:
         returned = time.time()
         self.samples.add("persist_save_call", r.blocking_s)
         self.samples.add("call_to_committed", seconds)
-        # How long after the commit record appeared did wait() notice it (polling delay)?
-        committed_path = os.path.join(self.ck.url, Layout.marker_dir(step), "COMMITTED")
+        # Where the time went, from the files' modification times (kernel clock, ~ms).
+        layout = self.ck.layout
+        stamps = [started]
         with contextlib.suppress(OSError):
-            self.samples.add("commit_seen_delay", max(0.0, returned - os.stat(committed_path).st_mtime))
+            for rel in (f"{layout.step_path(step)}/{STATE_FILE.format(rank=0)}", layout.rank_marker(step, 0),
+                        f"{layout.marker_dir(step)}/COMMITTED"):
+                stamps.append(os.stat(os.path.join(self.ck.url, rel)).st_mtime)
+            stamps.append(returned)
+            for name, a, b in zip(("c2c_write", "c2c_fsync_marker", "c2c_commit", "c2c_seen"), stamps, stamps[1:]):
+                self.samples.add(name, max(0.0, b - a))
         # Retention deletes old steps after the commit, in the saver (a 1 GiB unlink is not
         # free): let it finish before the next measurement starts.
         keep = self.ck.config.retention.keep_last or 0
@@ -460,13 +485,18 @@ class Bench:
         drop_path(path)
         self.quiesce()
 
-        def save_fsync() -> None:
+        def save_fsync() -> float:
             with open(path, "wb") as f:
                 torch.save(self.state, f)
+                written = time.perf_counter()
                 f.flush()
                 os.fsync(f.fileno())
+            return written
 
-        self.samples.add("torch.save+fsync", timed(save_fsync)[0])
+        seconds, written = timed(save_fsync)
+        self.samples.add("torch.save+fsync", seconds)
+        self.samples.add("torch.save+fsync:fsync", time.perf_counter() - written - 0.0)
+        self.samples.add("torch.save+fsync:write", seconds - self.samples.values["torch.save+fsync:fsync"][-1])
 
         self.quiesce()
         seconds, loaded = timed(lambda: torch.load(path, weights_only=True))
@@ -540,7 +570,12 @@ DETAILS = [
     ("step_alone", "simulated step, alone"),
     ("step_with_copy", "simulated step, with the snapshot copy running"),
     ("persist_save_call", "save(persist=True) blocking part of call_to_committed"),
-    ("commit_seen_delay", "COMMITTED written -> r.wait() returned (poll delay)"),
+    ("c2c_write", "c2c: save() called -> data file written (copy, saver write, crc)"),
+    ("c2c_fsync_marker", "c2c: data file written -> rank marker (fsync, rename, marker)"),
+    ("c2c_commit", "c2c: rank marker -> COMMITTED (committer)"),
+    ("c2c_seen", "c2c: COMMITTED -> r.wait() returned"),
+    ("torch.save+fsync:write", "torch.save+fsync: torch.save into the file"),
+    ("torch.save+fsync:fsync", "torch.save+fsync: flush + fsync"),
 ]
 
 

@@ -35,17 +35,19 @@ def test_saver_applies_retention_after_commit_and_survives_a_restart(make_checkp
     ck = make_checkpointer(ckpt, retention=RetentionPolicy(keep_last=2, keep_every=4))
     for step in (1, 2, 3, 4, 5):
         assert ck.save(step, {"w": torch.full((8,), float(step))}).wait(60).committed
-    _wait_for(lambda: ck.committed_steps() == [4, 5])
-    assert sorted(p for p in os.listdir(ckpt) if p.startswith("step-")) == ["step-4", "step-5"]
+    _wait_for(lambda: ck.committed_steps() == [4, 5] and step_dirs(ckpt) == ["step-4", "step-5"])
 
     kill_savers(ck.run_dir)  # a new saver must decide from storage alone
     _wait_for(lambda: not saver_pids(ck.run_dir))
     for step in (6, 7, 8, 9):
         assert ck.save(step, {"w": torch.full((8,), float(step))}).wait(60).committed
-    _wait_for(lambda: ck.committed_steps() == [4, 8, 9])
-    assert sorted(p for p in os.listdir(ckpt) if p.startswith("step-")) == ["step-4", "step-8", "step-9"]
+    _wait_for(lambda: ck.committed_steps() == [4, 8, 9] and step_dirs(ckpt) == ["step-4", "step-8", "step-9"])
     assert (ckpt / "latest").read_text().strip() == "9"
     assert torch.equal(ck.load(4, prefer_memory=False).state["w"], torch.full((8,), 4.0))
+
+
+def step_dirs(ckpt):
+    return sorted(p for p in os.listdir(ckpt) if p.startswith("step-"))
 
 
 def _wait_for(predicate, timeout=30.0):
