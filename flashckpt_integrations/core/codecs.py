@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import json
+import queue
 import sys
+import threading
 import zlib
 from typing import IO, Any
 
@@ -24,35 +26,52 @@ _TORCH_STORAGE_ALIGNMENT = 64
 
 
 class _ChecksumWriter:
-    """File-like wrapper that counts and checksums what passes through it.
+    """File-like wrapper that counts what passes through it and checksums it on a helper thread.
+
+    ``zlib.crc32`` releases the GIL, so the checksum runs beside the writes. Small chunks are
+    copied before they are queued (the zip writer reuses its header buffers); large ones are
+    views of the slot, which stays mapped and unchanged while the file is written.
 
     A write error is kept, not raised: torch's zip writer aborts the process when a write
-    fails under it, so the error is raised by :meth:`check` once the writer is done.
+    fails under it, so the error is raised by :meth:`finish` once the writer is done.
     """
+
+    _COPY_BELOW = 1 << 20
 
     def __init__(self, f: IO[bytes]) -> None:
         self._f = f
-        self.crc = 0
         self.size = 0
         self.error: OSError | None = None
+        self._crc = 0
+        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._checksum, name="flashckpt-crc32", daemon=True)
+        self._thread.start()
+
+    def _checksum(self) -> None:
+        while (chunk := self._chunks.get()) is not None:
+            self._crc = zlib.crc32(chunk, self._crc)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        self._chunks.put(bytes(view) if len(view) < self._COPY_BELOW else view)
         if self.error is None:
             try:
                 self._f.write(view)
             except OSError as exc:
                 self.error = exc
-        self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
         return len(view)
 
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
     def flush(self) -> None:
         self._f.flush()
+
+    def finish(self) -> int:
+        """Wait for the checksum, raise a kept write error, return the crc32."""
+        self._chunks.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self._crc
 
 
 def write_file(
@@ -63,16 +82,18 @@ def write_file(
     blob_off, blob_len = fmeta["blob"]
     with storage.open_write(path) as f:
         out = _ChecksumWriter(f)
-        if codec is Codec.TORCH:
-            _write_torch(out, slot, slot.read_bytes(blob_off, blob_len), fmeta["storages"], regions)
-        else:
-            out.write(slot.view(blob_off, blob_len).numpy())
-            for index in fmeta["tensors"]:
-                offset, nbytes = regions[index]
-                if nbytes:
-                    out.write(slot.view(offset, nbytes).numpy())
-        out.check()
-    return {"path": path, "size": out.size, "crc32": out.crc}
+        try:
+            if codec is Codec.TORCH:
+                _write_torch(out, slot, slot.read_bytes(blob_off, blob_len), fmeta["storages"], regions)
+            else:
+                out.write(slot.memoryview(blob_off, blob_len))
+                for index in fmeta["tensors"]:
+                    offset, nbytes = regions[index]
+                    if nbytes:
+                        out.write(slot.memoryview(offset, nbytes))
+        finally:
+            crc = out.finish()
+    return {"path": path, "size": out.size, "crc32": crc}
 
 
 def _write_torch(

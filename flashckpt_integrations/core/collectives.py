@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -24,7 +26,11 @@ def rank_and_world(rank: int | None, world_size: int | None, group: Any = None) 
 
 
 def all_gather_object(obj: Any, world_size: int, group: Any = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order; just ``[obj]`` in a single-process job."""
+    """Every rank's JSON-serialisable ``obj``, in rank order; ``[obj]`` in a single-process job.
+
+    Goes through uint8 tensors (not torch's pickle-based object collectives), so it needs
+    neither numpy nor unpickling.
+    """
     if world_size == 1 or not _initialized():
         if world_size != 1:
             raise RuntimeError(
@@ -32,6 +38,24 @@ def all_gather_object(obj: Any, world_size: int, group: Any = None) -> list[Any]
                 "torch.distributed.init_process_group() before loading, so the ranks can agree"
             )
         return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    device = _collective_device(group)
+    payload = json.dumps(obj).encode()
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    data = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    data = data.to(device)
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world_size)]
+    dist.all_gather(gathered, data, group=group)
+    return [json.loads(bytes(t[: int(n.item())].cpu().tolist())) for t, n in zip(gathered, sizes)]
+
+
+def _collective_device(group: Any) -> torch.device:
+    """CPU for gloo; the current accelerator for backends that need device tensors (nccl)."""
+    backend = dist.get_backend(group)
+    if backend == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.accelerator.current_accelerator()

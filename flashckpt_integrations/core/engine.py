@@ -299,7 +299,7 @@ class Checkpointer:
         weights_only = self.config.weights_only if weights_only is None else weights_only
         memory = self._memory_snapshots() if prefer_memory else {}
         committed = self.committed_steps()
-        views = collectives.all_gather_object((sorted(memory), committed[-1] if committed else None),
+        views = collectives.all_gather_object([sorted(memory), committed[-1] if committed else None],
                                               self.world_size, self.process_group)
         in_every_rank = set.intersection(*(set(v[0]) for v in views)) if views else set()
         newest_commit = views[0][1]

@@ -70,6 +70,7 @@ class Saver:
         self.pending = 0
         self.pending_lock = threading.Lock()
         self.storages: dict[str, Storage] = {}
+        self.slots: dict[str, Slot] = {}
         self.storage_lock = threading.Lock()
         self.started = time.monotonic()
 
@@ -207,16 +208,31 @@ class Saver:
                 )
             return self.storages[key]
 
+    def _slot(self, path: str) -> Slot:
+        """The saver's mapping of a slot, kept (pre-faulted) between persists of the same rank.
+
+        Only the rank's own persist thread uses it; it is remapped when the trainer grew or
+        recreated the slot.
+        """
+        slot = self.slots.get(path)
+        if slot is not None and (slot.replaced() or slot.file_size() != slot.size):
+            slot.close()
+            slot = None
+        if slot is None:
+            slot = Slot.attach(path, populate=True)
+            if slot is None:
+                raise FileNotFoundError(f"slot {path} does not exist")
+            self.slots[path] = slot
+        return slot
+
     def persist(self, request: dict[str, Any]) -> None:
         """Write one rank's files for one step, then its done marker (or failed marker)."""
         rank, step, seq = int(request["rank"]), int(request["step"]), int(request["seq"])
         layout = Layout(**request["layout"])
         storage = self._storage(request)
         started = time.monotonic()
-        slot = Slot.attach(request["slot"])
-        if slot is None:
-            raise FileNotFoundError(f"slot {request['slot']} does not exist")
-        slot.lock()  # released when the slot's file is closed
+        slot = self._slot(request["slot"])
+        slot.lock()
         try:
             try:
                 metadata = _checked_metadata(slot, step, seq)
@@ -240,7 +256,7 @@ class Saver:
             finally:
                 slot.mark_persist_done(seq)
         finally:
-            slot.close()
+            slot.unlock()
         total = sum(e["size"] for e in entries)
         elapsed = time.monotonic() - started
         logger.info("rank %d step %d persisted: %d files, %.1f MiB in %.2fs", rank, step, len(entries),

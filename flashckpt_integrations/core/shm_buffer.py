@@ -116,7 +116,7 @@ class Slot:
         return cls(path, fd, size, populate=True)
 
     @classmethod
-    def attach(cls, path: str) -> Slot | None:
+    def attach(cls, path: str, *, populate: bool = False) -> Slot | None:
         """Map an existing slot, or return ``None`` when there is none."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -133,7 +133,7 @@ class Slot:
         if size < HEADER_SIZE:
             os.close(fd)
             return None
-        return cls(path, fd, size, populate=False)
+        return cls(path, fd, size, populate=populate)
 
     def _map(self, populate: bool) -> None:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
@@ -173,9 +173,15 @@ class Slot:
         except FileNotFoundError:
             return True
 
+    def file_size(self) -> int:
+        return os.fstat(self._fd).st_size
+
     def lock(self) -> None:
         """Hold an exclusive lock on the slot file (the saver, while it persists the slot)."""
         fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -280,6 +286,11 @@ class Slot:
                 f"slot {self.path}: range [{offset}, {offset + nbytes}) is outside the slot of {self.size} bytes"
             )
         return self._tensor[offset : offset + nbytes]
+
+    def memoryview(self, offset: int, nbytes: int) -> memoryview:
+        """A view of the slot's bytes (no copy, no numpy)."""
+        self.view(offset, nbytes)
+        return memoryview(self._mm)[offset : offset + nbytes]
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         if offset < 0 or offset + nbytes > self.size:

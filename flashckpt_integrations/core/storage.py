@@ -199,7 +199,7 @@ class FsspecStorage:
         self.fs = fs
         self.url = url
         self.root = root.rstrip("/")
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self._atomic_put = bool(self._ATOMIC_PUT.intersection(protocols))
 
     def _abs(self, path: str) -> str:
