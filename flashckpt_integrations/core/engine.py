@@ -396,6 +396,14 @@ class Checkpointer:
         except SaverProcessError as exc:
             logger.warning("[RANK %d] saver not reachable yet: %s", self.rank, exc)
 
+    def _announce_slot(self, path: str) -> None:
+        """Let the saver map a new or grown slot before its first persist (best effort)."""
+        try:
+            self._client.connect()
+            self._client.request({"op": "attach", "rank": self.rank, "slot": path})
+        except SaverProcessError as exc:
+            logger.debug("[RANK %d] could not announce slot %s: %s", self.rank, path, exc)
+
     def _request_persist(self, slot: Slot, step: int, seq: int, durable: Future) -> None:
         """Hand a sealed slot to the saver and wait until the rank's files are durable.
 
@@ -486,10 +494,13 @@ class Checkpointer:
 
     def _ensure_slot(self, index: int, nbytes: int, *, pin: bool) -> Slot:
         slot = self._slot(index)
+        size_before = slot.size if slot is not None else 0
         if slot is None:
             slot = self._slots[index] = Slot.create_or_open(self.slot_paths[index], nbytes)
         else:
             slot.ensure_size(nbytes)
+        if slot.size != size_before:
+            self._requester.submit(self._announce_slot, slot.path)
         if pin and self.config.pin_memory:
             slot.pin()
         return slot

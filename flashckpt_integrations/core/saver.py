@@ -161,6 +161,10 @@ class Saver:
             conn.send({"id": rid, "ok": True})
         elif op == "persist":
             self._submit(conn, request)
+        elif op == "attach":
+            # Map (and pre-fault) a new or grown slot now, so its first persist does not pay it.
+            self._executor(int(request["rank"])).submit(self._attach_quietly, request["slot"])
+            conn.send({"id": rid, "ok": True})
         else:
             conn.send({"id": rid, "ok": False, "error": f"unknown op {op!r}"})
 
@@ -168,10 +172,20 @@ class Saver:
         rank = int(request["rank"])
         with self.pending_lock:
             self.pending += 1
+        self._executor(rank).submit(self._persist_and_reply, conn, request)
+
+    def _executor(self, rank: int) -> ThreadPoolExecutor:
+        """One thread per rank: a rank's slots are only touched by its own thread, in order."""
         executor = self.executors.get(rank)
         if executor is None:
             executor = self.executors[rank] = ThreadPoolExecutor(1, thread_name_prefix=f"persist-r{rank}")
-        executor.submit(self._persist_and_reply, conn, request)
+        return executor
+
+    def _attach_quietly(self, path: str) -> None:
+        try:
+            self._slot(path)
+        except Exception as exc:  # the persist that needs it reports any real problem
+            logger.debug("could not map slot %s ahead of time: %s", path, exc)
 
     def _persist_and_reply(self, conn: _Connection, request: dict[str, Any]) -> None:
         try:
