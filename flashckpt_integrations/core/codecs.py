@@ -13,6 +13,7 @@ import queue
 import sys
 import threading
 import zlib
+from collections.abc import Callable
 from typing import IO, Any
 
 import torch
@@ -42,6 +43,7 @@ class _ChecksumWriter:
         self._f = f
         self.size = 0
         self.error: OSError | None = None
+        self.discarded = False
         self._crc = 0
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._checksum, name="flashckpt-crc32", daemon=True)
@@ -51,8 +53,14 @@ class _ChecksumWriter:
         while (chunk := self._chunks.get()) is not None:
             self._crc = zlib.crc32(chunk, self._crc)
 
+    def discard(self) -> None:
+        """Drop whatever is written from now on (the file is being abandoned)."""
+        self.discarded = True
+
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        if self.discarded:
+            return len(view)
         self._chunks.put(bytes(view) if len(view) < self._COPY_BELOW else view)
         if self.error is None:
             try:
@@ -75,20 +83,25 @@ class _ChecksumWriter:
 
 
 def write_file(
-    storage: Storage, path: str, fmeta: dict[str, Any], regions: list[list[int]], slot: Slot
+    storage: Storage, path: str, fmeta: dict[str, Any], regions: list[list[int]], slot: Slot,
+    ready: Callable[[int], None] = lambda index: None,
 ) -> dict[str, Any]:
-    """Write one file described by ``fmeta`` from ``slot``; return its marker entry."""
+    """Write one file described by ``fmeta`` from ``slot``; return its marker entry.
+
+    ``ready(i)`` returns once region ``i`` is in place in the slot (it may still be filling).
+    """
     codec = Codec(fmeta["codec"])
     blob_off, blob_len = fmeta["blob"]
     with storage.open_write(path) as f:
         out = _ChecksumWriter(f)
         try:
             if codec is Codec.TORCH:
-                _write_torch(out, slot, slot.read_bytes(blob_off, blob_len), fmeta["storages"], regions)
+                _write_torch(out, slot, slot.read_bytes(blob_off, blob_len), fmeta["storages"], regions, ready)
             else:
                 out.write(slot.memoryview(blob_off, blob_len))
                 for index in fmeta["tensors"]:
                     offset, nbytes = regions[index]
+                    ready(index)
                     if nbytes:
                         out.write(slot.memoryview(offset, nbytes))
         finally:
@@ -97,21 +110,30 @@ def write_file(
 
 
 def _write_torch(
-    out: _ChecksumWriter, slot: Slot, pickle_bytes: bytes, storages: dict[str, int], regions: list[list[int]]
+    out: _ChecksumWriter, slot: Slot, pickle_bytes: bytes, storages: dict[str, int], regions: list[list[int]],
+    ready: Callable[[int], None],
 ) -> None:
     """Write the zip layout of ``torch.save`` (same records, same order)."""
     writer = torch._C.PyTorchFileWriter(out, False, _TORCH_STORAGE_ALIGNMENT)
-    writer.write_record("data.pkl", pickle_bytes, len(pickle_bytes))
-    writer.write_record(".format_version", "1", 1)
-    alignment = str(_TORCH_STORAGE_ALIGNMENT)
-    writer.write_record(".storage_alignment", alignment, len(alignment))
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    for key in sorted(storages, key=int):
-        offset, nbytes = regions[storages[key]]
-        if nbytes:
-            writer.write_record(f"data/{key}", slot.storage(offset, nbytes), nbytes)
-        else:
-            writer.write_record(f"data/{key}", b"", 0)
+    try:
+        writer.write_record("data.pkl", pickle_bytes, len(pickle_bytes))
+        writer.write_record(".format_version", "1", 1)
+        alignment = str(_TORCH_STORAGE_ALIGNMENT)
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key in sorted(storages, key=int):
+            offset, nbytes = regions[storages[key]]
+            ready(storages[key])
+            if nbytes:
+                writer.write_record(f"data/{key}", slot.storage(offset, nbytes), nbytes)
+            else:
+                writer.write_record(f"data/{key}", b"", 0)
+    except BaseException:
+        # Finish the zip into the void: left unfinished, the writer would write (and abort
+        # the process) when it is destroyed.
+        out.discard()
+        writer.write_end_of_file()
+        raise
     writer.write_end_of_file()
 
 

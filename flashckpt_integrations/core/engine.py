@@ -371,20 +371,29 @@ class Checkpointer:
         self, index: int, slot: Slot, plan: Any, step: int, seq: int, meta_offset: int, raw_meta: bytes,
         durable: Future | None, events: list[Any],
     ) -> str | None:
-        """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None."""
+        """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None.
+
+        A host-memory snapshot that is to be persisted is handed to the saver before the copy
+        starts: the saver streams each region to storage as soon as it is in place.
+        """
+        stream = durable is not None and not events and not _on_device(plan)
         try:
+            slot.write_metadata(step, seq, meta_offset, raw_meta)
+            if stream:
+                self._persisting[index] = durable
+                self._requester.submit(self._request_persist, slot, step, seq, durable)
             _wait_device_events(events)
-            copy_regions(plan, slot.buffer)
+            copy_regions(plan, slot.buffer, slot.publish_copied if stream else None)
             _synchronize_devices(plan)
-            slot.finish_write(step, seq, meta_offset, raw_meta)
+            slot.seal()
         except Exception as exc:
-            slot.invalidate()
+            slot.invalidate()  # a streaming persist sees this and fails, never publishing the step
             error = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"
             logger.error("[RANK %d] %s", self.rank, error)
-            if durable is not None:
+            if durable is not None and not stream:
                 durable.set_result({"ok": False, "error": error})
             return error
-        if durable is not None:
+        if durable is not None and not stream:
             self._persisting[index] = durable
             self._requester.submit(self._request_persist, slot, step, seq, durable)
         return None

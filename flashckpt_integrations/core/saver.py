@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -49,6 +50,7 @@ class _Connection:
         self.sock = sock
         self.buffer = b""
         self.rank: int | None = None
+        self.closed = False
         self.lock = threading.Lock()
 
     def send(self, message: dict[str, Any]) -> None:
@@ -134,6 +136,7 @@ class Saver:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn.sock)
         self.connections.pop(conn.sock.fileno(), None)
+        conn.closed = True
         conn.sock.close()
         if conn.rank is not None and conn.rank not in self.closed_clean:
             logger.warning("rank %d disconnected without closing (crashed or killed)", conn.rank)
@@ -191,7 +194,7 @@ class Saver:
         try:
             reply = {"id": request.get("id"), "ok": True, "error": None}
             try:
-                self.persist(request)
+                self.persist(request, lambda: not conn.closed)
             except Exception as exc:  # reported to the rank and logged; the saver carries on
                 logger.error("persist of step %s rank %s failed: %s\n%s", request.get("step"),
                              request.get("rank"), exc, traceback.format_exc())
@@ -239,8 +242,13 @@ class Saver:
             self.slots[path] = slot
         return slot
 
-    def persist(self, request: dict[str, Any]) -> None:
-        """Write one rank's files for one step, then its done marker (or failed marker)."""
+    def persist(self, request: dict[str, Any], alive: Callable[[], bool] = lambda: True) -> None:
+        """Write one rank's files for one step, then its done marker (or failed marker).
+
+        The slot may still be filling (a streaming persist): each region is written once the
+        trainer says it is in place, and the rank's files count only once the slot is sealed.
+        ``alive()`` says whether the rank is still connected.
+        """
         rank, step, seq = int(request["rank"]), int(request["step"]), int(request["seq"])
         layout = Layout(**request["layout"])
         storage = self._storage(request)
@@ -249,15 +257,20 @@ class Saver:
         slot.lock()
         try:
             try:
-                metadata = _checked_metadata(slot, step, seq)
+                metadata = _checked_metadata(slot, step, seq, filling=True)
                 base = layout.write_path(step)
                 entries = []
+
+                def ready(index: int) -> None:
+                    _wait_until_copied(slot, step, seq, index + 1, alive)
+
                 for fmeta in metadata["files"]:
-                    entry = write_file(storage, f"{base}/{fmeta['path']}", fmeta, metadata["regions"], slot)
+                    entry = write_file(storage, f"{base}/{fmeta['path']}", fmeta, metadata["regions"], slot, ready)
                     entry["path"] = fmeta["path"]
                     entry["codec"] = fmeta["codec"]
                     entries.append(entry)
-                _checked_metadata(slot, step, seq)  # the trainer never writes a slot in persist
+                _wait_until_copied(slot, step, seq, None, alive)  # sealed: every byte was in place
+                _checked_metadata(slot, step, seq)
                 write_json(storage, layout.rank_marker(step, rank), {
                     "rank": rank, "step": step, "world_size": request["world_size"],
                     "files": entries, "time": now(),
@@ -334,14 +347,31 @@ class Saver:
             logger.info("retention deleted step %d in %.2fs", step, time.monotonic() - started)
 
 
-def _checked_metadata(slot: Slot, step: int, seq: int) -> dict[str, Any]:
+def _checked_metadata(slot: Slot, step: int, seq: int, *, filling: bool = False) -> dict[str, Any]:
+    """The slot's metadata, checked to be this step's; ``filling`` also accepts a slot being written."""
     header = slot.read_header()
-    if header is None or header.state != SlotState.COMPLETE or header.seq != seq or header.step != step:
+    states = (SlotState.COMPLETE, SlotState.WRITING) if filling else (SlotState.COMPLETE,)
+    if header is None or header.state not in states or header.seq != seq or header.step != step:
         raise RuntimeError(
             f"slot {slot.path} no longer holds step {step} (seq {seq}): found "
             f"{header and (header.state.name, header.step, header.seq)}"
         )
     return slot.read_metadata(header)
+
+
+def _wait_until_copied(slot: Slot, step: int, seq: int, regions: int | None, alive: Callable[[], bool]) -> None:
+    """Wait until the first ``regions`` regions are in place (``None``: until the slot is sealed)."""
+    delay = 0.0002
+    while True:
+        header = slot.read_header()
+        if header is None or header.seq != seq or header.step != step or header.state is SlotState.EMPTY:
+            raise RuntimeError(f"the snapshot of step {step} was abandoned while it was being written")
+        if header.state is SlotState.COMPLETE or (regions is not None and slot.copied() >= regions):
+            return
+        if not alive():
+            raise RuntimeError(f"the rank disconnected while its snapshot of step {step} was being written")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -15,6 +15,10 @@ that describes them sits after the data::
     48      4     crc32 of the metadata
     56      8     persist_req: the seq the trainer asked the saver to persist
     64      8     persist_done: the seq the saver finished persisting (ok or failed)
+    72      8     copied: how many regions of the snapshot being written are in place
+
+A persist may start while the slot is still being written (the saver streams each region to
+storage once ``copied`` says it is in place); it is finished only once the slot is complete.
 
 The trainer writes ``state=writing`` before it touches the data and ``state=complete`` last,
 after the metadata and its checksum, so a crash mid-copy leaves a slot that is never loaded.
@@ -51,6 +55,7 @@ _HEAD = struct.Struct("<8sIIqqqqI")  # magic .. meta crc, 52 bytes
 _OFF_STATE = 12
 _OFF_PERSIST_REQ = 56
 _OFF_PERSIST_DONE = 64
+_OFF_COPIED = 72
 _U64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
 GROWTH = 1.10
@@ -243,13 +248,24 @@ class Slot:
     def write_blob(self, offset: int, data: bytes) -> None:
         self._mm[offset : offset + len(data)] = data
 
-    def finish_write(self, step: int, seq: int, meta_offset: int, raw: bytes) -> None:
-        """Write the (JSON) metadata and its checksum, then mark the slot complete."""
+    def write_metadata(self, step: int, seq: int, meta_offset: int, raw: bytes) -> None:
+        """Write the (JSON) metadata and its checksum; the slot stays in the writing state."""
         if meta_offset + len(raw) > self.size:
             raise SharedMemoryError(f"slot {self.path} is too small for its metadata; this is a bug")
         self._mm[meta_offset : meta_offset + len(raw)] = raw
         crc = zlib.crc32(raw)
+        _U64.pack_into(self._mm, _OFF_COPIED, 0)
         _HEAD.pack_into(self._mm, 0, MAGIC, VERSION, SlotState.WRITING, step, seq, meta_offset, len(raw), crc)
+
+    def publish_copied(self, regions: int) -> None:
+        """Say that the first ``regions`` regions are in place (a streaming persist reads them)."""
+        _U64.pack_into(self._mm, _OFF_COPIED, regions)
+
+    def copied(self) -> int:
+        return _U64.unpack_from(self._mm, _OFF_COPIED)[0]
+
+    def seal(self) -> None:
+        """Mark the slot complete: from here on it is loadable."""
         _U32.pack_into(self._mm, _OFF_STATE, SlotState.COMPLETE)
 
     def mark_persist_requested(self, seq: int) -> None:

@@ -283,18 +283,23 @@ _PACKERS = {
 }
 
 
-def copy_regions(plan: SnapshotPlan, slot: torch.Tensor) -> None:
-    """Copy every region's bytes into ``slot`` (a uint8 tensor over the slot)."""
-    for region in plan.regions:
-        if region.nbytes == 0:
-            continue
-        dst = slot[region.offset : region.offset + region.nbytes]
-        src = region.source
-        non_blocking = src.device.type != "cpu"
-        if src.dtype == torch.uint8 and src.dim() == 1:
-            dst.copy_(src, non_blocking=non_blocking)
-        else:
-            dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)
+def copy_regions(plan: SnapshotPlan, slot: torch.Tensor, on_copied: Any = None) -> None:
+    """Copy every region's bytes into ``slot`` (a uint8 tensor over the slot), in order.
+
+    ``on_copied(n)`` is called once the first ``n`` regions are in place (host copies only:
+    device copies are asynchronous and complete together at the caller's synchronize).
+    """
+    for index, region in enumerate(plan.regions):
+        if region.nbytes:
+            dst = slot[region.offset : region.offset + region.nbytes]
+            src = region.source
+            non_blocking = src.device.type != "cpu"
+            if src.dtype == torch.uint8 and src.dim() == 1:
+                dst.copy_(src, non_blocking=non_blocking)
+            else:
+                dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)
+        if on_copied is not None:
+            on_copied(index + 1)
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import os
 import signal
 import textwrap
+import time
 
 import torch
 
@@ -58,9 +59,9 @@ def test_kill_mid_copy_leaves_the_previous_snapshot_loadable(tmp_path):
         ck = Checkpointer(ckpt_dir)
         assert ck.save(1, state(1), persist=False).ok
         real_copy = engine.copy_regions
-        def copy_then_die(plan, slot):
+        def copy_then_die(plan, slot, on_copied=None):
             plan.regions = plan.regions[:1]  # copy part of the state, then crash
-            real_copy(plan, slot)
+            real_copy(plan, slot, on_copied)
             os.kill(os.getpid(), signal.SIGKILL)
         engine.copy_regions = copy_then_die
         ck.save(2, state(2), persist=False)
@@ -72,6 +73,40 @@ def test_kill_mid_copy_leaves_the_previous_snapshot_loadable(tmp_path):
         states = [Slot.attach(p).read_header().state for p in ck.slot_paths]
         assert sorted(states) == [SlotState.WRITING, SlotState.COMPLETE]
         assert ck.memory_steps() == [1]
+        loaded = ck.load()
+        assert (loaded.step, loaded.source) == (1, "memory")
+        assert torch.equal(loaded.state["w"], expected(1)["w"])
+
+
+def test_kill_mid_copy_of_a_streaming_persist_never_publishes_the_step(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    child = CHILD_PRELUDE + textwrap.dedent(
+        """
+        import time
+        import flashckpt_integrations.core.engine as engine
+        ck = Checkpointer(ckpt_dir)
+        assert ck.save(1, state(1)).wait(60).committed
+        real_copy = engine.copy_regions
+        def copy_then_die(plan, slot, on_copied=None):
+            plan.regions = plan.regions[:1]
+            real_copy(plan, slot, on_copied)  # region 0 is in place: the saver streams it
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        engine.copy_regions = copy_then_die
+        ck.save(2, state(2))
+        """
+    )
+    proc = run_python(child, ckpt)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    failed = os.path.join(ckpt, ".flashckpt", "steps", "2", "FAILED")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(failed):
+        assert time.monotonic() < deadline, "the abandoned streaming persist was never marked failed"
+        time.sleep(0.1)
+    assert "disconnected" in open(failed).read() or "failed" in open(failed).read()
+    assert not os.path.exists(os.path.join(ckpt, "step-2", "rank-0.pt"))
+    with Checkpointer(ckpt) as ck:
+        assert ck.committed_steps() == [1]
         loaded = ck.load()
         assert (loaded.step, loaded.source) == (1, "memory")
         assert torch.equal(loaded.state["w"], expected(1)["w"])
