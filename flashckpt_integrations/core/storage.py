@@ -248,16 +248,22 @@ class FsspecStorage:
         except Exception as exc:
             raise _wrap("read", path, exc) from exc
 
+    def _fresh(self, path: str) -> str:
+        """The absolute path, with fsspec's listing cache for it dropped: other processes
+        (the saver, other nodes) change the store, and a stale cache would hide a commit."""
+        full = self._abs(path)
+        self.fs.invalidate_cache(full)
+        return full
+
     def exists(self, path: str) -> bool:
         try:
-            return self.fs.exists(self._abs(path))
+            return self.fs.exists(self._fresh(path))
         except Exception as exc:
             raise _wrap("stat", path, exc) from exc
 
     def list(self, path: str) -> list[str]:
         try:
-            self.fs.invalidate_cache(self._abs(path))
-            entries = self.fs.ls(self._abs(path), detail=False)
+            entries = self.fs.ls(self._fresh(path), detail=False)
         except FileNotFoundError:
             return []
         except Exception as exc:
@@ -283,7 +289,7 @@ class FsspecStorage:
 
     def size(self, path: str) -> int:
         try:
-            return int(self.fs.size(self._abs(path)))
+            return int(self.fs.size(self._fresh(path)))
         except Exception as exc:
             raise _wrap("stat", path, exc) from exc
 
