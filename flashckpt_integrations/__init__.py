@@ -7,8 +7,9 @@
 __version__ = "0.1.0"
 
 from .config import BusyPolicy, CheckpointerConfig
-from .core.engine import Checkpointer, LoadResult, PersistResult, SaveResult, SaveStatus
+from .core.engine import Checkpointer
 from .core.layout import Layout
+from .core.results import LoadResult, PersistResult, SaveResult, SaveStatus
 from .core.retention import RetentionPolicy
 from .core.state import Codec, FileSpec
 from .core.storage import Storage, register_storage

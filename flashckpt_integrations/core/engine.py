@@ -21,15 +21,15 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .. import knobs
+from .._utils.devices import on_device, record_device_events, synchronize_devices, wait_device_events
 from ..config import BusyPolicy, CheckpointerConfig
 from ..errors import (
     CheckpointNotFoundError,
@@ -43,6 +43,8 @@ from . import collectives
 from .client import SaverClient, job_key, run_dir_for
 from .codecs import decode_from_slot, read_file
 from .layout import FAILED, Layout, commit_record, committed_steps, read_json
+from .restore import copy_into_target, is_files
+from .results import LoadResult, PersistResult, SaveResult, SaveStatus
 from .shm_buffer import HEADER_SIZE, Slot, SlotState
 from .state import Codec, FileSpec, copy_regions, normalize_files, plan_snapshot
 from .storage import storage_from_url
@@ -51,81 +53,6 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "rank-{rank}.pt"
 """File name that ``save(step, state)`` uses for the rank's state inside the step directory."""
-
-
-class SaveStatus(str, Enum):
-    IN_MEMORY = "in_memory"
-    """The snapshot is complete in shared memory; nothing is written to storage."""
-    PERSISTING = "persisting"
-    """The snapshot is in memory and the saver is persisting it; ``wait()`` for the commit."""
-    SKIPPED = "skipped"
-    """Nothing was saved; ``reason`` says why."""
-    FAILED = "failed"
-    """The save could not happen; ``reason`` says why. Earlier checkpoints are intact."""
-
-
-@dataclass
-class PersistResult:
-    step: int
-    committed: bool
-    error: str | None = None
-
-
-@dataclass
-class SaveResult:
-    """What ``save`` did. ``blocking_s`` is how long the caller was held."""
-
-    step: int
-    status: SaveStatus
-    reason: str | None = None
-    blocking_s: float = 0.0
-    _snapshot: Future | None = field(default=None, repr=False)
-    _durable: Future | None = field(default=None, repr=False)
-    """Resolves with the saver's answer once this rank's files are durable (or failed)."""
-    _poll_commit: Callable[[int, float | None], PersistResult] | None = field(default=None, repr=False)
-    _outcome: PersistResult | None = field(default=None, repr=False)
-
-    @property
-    def ok(self) -> bool:
-        return self.status in (SaveStatus.IN_MEMORY, SaveStatus.PERSISTING)
-
-    def wait(self, timeout: float | None = None) -> PersistResult:
-        """Wait until the snapshot is in memory and, when persisting, committed or failed."""
-        if self._outcome is not None:
-            return self._outcome
-        if not self.ok:
-            return PersistResult(self.step, False, self.reason)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._snapshot is not None:
-            self._snapshot.result(timeout)
-        if self._durable is None:
-            return PersistResult(self.step, False, None)
-        answer = self._durable.result(_remaining(deadline))
-        if answer.get("ok"):
-            self._outcome = self._poll_commit(self.step, _remaining(deadline))
-        else:
-            self._outcome = PersistResult(self.step, False, answer.get("error"))
-        return self._outcome
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-@dataclass
-class LoadResult:
-    step: int
-    source: str
-    """``"memory"`` or ``"storage"``."""
-    files: dict[str, Any]
-
-    @property
-    def state(self) -> Any:
-        """The object saved with ``save(step, state)``."""
-        for path, obj in self.files.items():
-            if path.startswith("rank-") and path.endswith(".pt"):
-                return obj
-        raise KeyError("this checkpoint was saved with files=..., read LoadResult.files")
 
 
 class Checkpointer:
@@ -189,7 +116,7 @@ class Checkpointer:
         if nbytes is None:
             plan = plan_snapshot(normalize_files(self._files(state, files)))
             nbytes = plan.layout(HEADER_SIZE) + 64 * 1024 + 256 * len(plan.regions)
-            device = _on_device(plan)
+            device = on_device(plan)
         for index in range(2):
             if self._persisting[index] is None or self._persisting[index].done():
                 self._ensure_slot(index, nbytes, pin=device)
@@ -229,7 +156,7 @@ class Checkpointer:
                 return self._finish(SaveResult(step, SaveStatus.SKIPPED, reason), started)
             raw_meta = _dumps(meta)
             try:
-                slot = self._ensure_slot(index, end + len(raw_meta), pin=_on_device(plan))
+                slot = self._ensure_slot(index, end + len(raw_meta), pin=on_device(plan))
             except SharedMemoryError as exc:
                 return self._finish(SaveResult(step, SaveStatus.FAILED, str(exc)), started)
             seq = self._seq
@@ -241,7 +168,7 @@ class Checkpointer:
             status = SaveStatus.PERSISTING if persist else SaveStatus.IN_MEMORY
             result = SaveResult(step, status, _durable=durable, _poll_commit=self._poll_commit)
             args = (index, slot, plan, step, seq, end, raw_meta, durable)
-            events = _record_device_events(plan)
+            events = record_device_events(plan)
             if overlap:
                 self._snapshot = self._copier.submit(self._complete, *args, events)
                 result._snapshot = self._snapshot
@@ -324,7 +251,7 @@ class Checkpointer:
             files = self._load_from_storage(step, weights_only, map_location)
             source = "storage"
         if target is not None:
-            files = _copy_into_target(files, self._files(target, None) if not _is_files(target) else target)
+            files = copy_into_target(files, self._files(target, None) if not is_files(target) else target)
         logger.info("[RANK %d] loaded step %d from %s in %.3fs", self.rank, step, source,
                     time.perf_counter() - started)
         return LoadResult(step, source, files)
@@ -376,15 +303,15 @@ class Checkpointer:
         A host-memory snapshot that is to be persisted is handed to the saver before the copy
         starts: the saver streams each region to storage as soon as it is in place.
         """
-        stream = durable is not None and not events and not _on_device(plan)
+        stream = durable is not None and not events and not on_device(plan)
         try:
             slot.write_metadata(step, seq, meta_offset, raw_meta)
             if stream:
                 self._persisting[index] = durable
                 self._requester.submit(self._request_persist, slot, step, seq, durable)
-            _wait_device_events(events)
+            wait_device_events(events)
             copy_regions(plan, slot.buffer, slot.publish_copied if stream else None)
-            _synchronize_devices(plan)
+            synchronize_devices(plan)
             slot.seal()
         except Exception as exc:
             slot.invalidate()  # a streaming persist sees this and fails, never publishing the step
@@ -646,71 +573,3 @@ def _locked_by_saver(slot: Slot) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def _on_device(plan: Any) -> bool:
-    return any(r.source.device.type != "cpu" for r in plan.regions)
-
-
-def _devices(plan: Any) -> set[torch.device]:
-    return {r.source.device for r in plan.regions if r.source.device.type != "cpu"}
-
-
-def _record_device_events(plan: Any) -> list[Any]:
-    """Mark, on each device's current stream, the point the snapshot must see."""
-    events = []
-    for device in _devices(plan):
-        module = torch.get_device_module(device.type)
-        event = module.Event()
-        event.record(module.current_stream(device))
-        events.append(event)
-    return events
-
-
-def _wait_device_events(events: list[Any]) -> None:
-    for event in events:
-        event.synchronize()
-
-
-def _synchronize_devices(plan: Any) -> None:
-    for device in _devices(plan):
-        torch.get_device_module(device.type).synchronize(device)
-
-
-def _is_files(target: Any) -> bool:
-    return isinstance(target, Mapping) and all(isinstance(v, FileSpec) for v in target.values()) and bool(target)
-
-
-def _copy_into_target(files: dict[str, Any], target_files: Mapping[str, Any]) -> dict[str, Any]:
-    out = {}
-    for path, loaded in files.items():
-        target = target_files.get(path)
-        target = target.obj if isinstance(target, FileSpec) else target
-        out[path] = _merge(loaded, target, path)
-    return out
-
-
-def _merge(loaded: Any, target: Any, where: str) -> Any:
-    """Copy ``loaded`` tensors into ``target``'s, matching by structure; clone the rest."""
-    if isinstance(loaded, torch.Tensor):
-        if isinstance(target, torch.Tensor):
-            if target.shape != loaded.shape or target.dtype != loaded.dtype:
-                raise LayoutMismatchError(
-                    f"{where}: saved tensor is {tuple(loaded.shape)} {loaded.dtype}, the target is "
-                    f"{tuple(target.shape)} {target.dtype}"
-                )
-            with torch.no_grad():
-                target.copy_(loaded)
-            return target
-        return loaded.clone()
-    if isinstance(loaded, Mapping):
-        items = {k: _merge(v, target.get(k) if isinstance(target, Mapping) else None, f"{where}.{k}")
-                 for k, v in loaded.items()}
-        try:
-            return type(loaded)(items)
-        except TypeError:
-            return items
-    if isinstance(loaded, (list, tuple)) and not hasattr(loaded, "_fields"):
-        targets = target if isinstance(target, (list, tuple)) and len(target) == len(loaded) else [None] * len(loaded)
-        return type(loaded)(_merge(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(loaded, targets)))
-    return loaded

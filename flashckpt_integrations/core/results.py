@@ -1,0 +1,85 @@
+"""What ``save``, ``wait`` and ``load`` return."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class SaveStatus(str, Enum):
+    IN_MEMORY = "in_memory"
+    """The snapshot is complete in shared memory; nothing is written to storage."""
+    PERSISTING = "persisting"
+    """The snapshot is in memory and the saver is persisting it; ``wait()`` for the commit."""
+    SKIPPED = "skipped"
+    """Nothing was saved; ``reason`` says why."""
+    FAILED = "failed"
+    """The save could not happen; ``reason`` says why. Earlier checkpoints are intact."""
+
+
+@dataclass
+class PersistResult:
+    step: int
+    committed: bool
+    error: str | None = None
+
+
+@dataclass
+class SaveResult:
+    """What ``save`` did. ``blocking_s`` is how long the caller was held."""
+
+    step: int
+    status: SaveStatus
+    reason: str | None = None
+    blocking_s: float = 0.0
+    _snapshot: Future | None = field(default=None, repr=False)
+    _durable: Future | None = field(default=None, repr=False)
+    """Resolves with the saver's answer once this rank's files are durable (or failed)."""
+    _poll_commit: Callable[[int, float | None], PersistResult] | None = field(default=None, repr=False)
+    _outcome: PersistResult | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (SaveStatus.IN_MEMORY, SaveStatus.PERSISTING)
+
+    def wait(self, timeout: float | None = None) -> PersistResult:
+        """Wait until the snapshot is in memory and, when persisting, committed or failed."""
+        if self._outcome is not None:
+            return self._outcome
+        if not self.ok:
+            return PersistResult(self.step, False, self.reason)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._snapshot is not None:
+            self._snapshot.result(timeout)
+        if self._durable is None:
+            return PersistResult(self.step, False, None)
+        answer = self._durable.result(_remaining(deadline))
+        if answer.get("ok"):
+            self._outcome = self._poll_commit(self.step, _remaining(deadline))
+        else:
+            self._outcome = PersistResult(self.step, False, answer.get("error"))
+        return self._outcome
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+@dataclass
+class LoadResult:
+    step: int
+    source: str
+    """``"memory"`` or ``"storage"``."""
+    files: dict[str, Any]
+
+    @property
+    def state(self) -> Any:
+        """The object saved with ``save(step, state)``."""
+        for path, obj in self.files.items():
+            if path.startswith("rank-") and path.endswith(".pt"):
+                return obj
+        raise KeyError("this checkpoint was saved with files=..., read LoadResult.files")
