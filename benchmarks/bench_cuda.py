@@ -1,0 +1,92 @@
+"""The accelerator path, on a machine with a CUDA GPU (exits with a message elsewhere).
+
+Measures, side by side in one run (medians over --repeats):
+  pinned_copy      device-to-host copy of the state into a plain pinned host buffer (the limit)
+  warm_save        blocking time of a synchronous Checkpointer.save into a page-locked slot
+  restore          Checkpointer.load(target=state) from memory back into the device tensors
+  step_alone       a real forward/backward/optimizer step of a GPT-like MLP stack
+  step_with_save   the same step right after save(async_snapshot=True): the stall it adds
+
+    python benchmarks/bench_cuda.py --gib 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+from flashckpt_integrations import Checkpointer, CheckpointerConfig
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=4.0)
+    parser.add_argument("--tensors", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    per = int(args.gib * 2**30 / 4 / args.tensors)
+    state = {f"t{i}": torch.randn(per, device="cuda") for i in range(args.tensors)}
+    nbytes = sum(t.nbytes for t in state.values())
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def pinned_copy() -> None:
+        offset = 0
+        for t in state.values():
+            host[offset : offset + t.nbytes].view(torch.float32).copy_(t, non_blocking=True)
+            offset += t.nbytes
+
+    width = 8192
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).cuda().bfloat16()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(4096, width, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        model(batch).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    rows: dict[str, list[float]] = {k: [] for k in ("pinned_copy", "warm_save", "restore", "step_alone",
+                                                     "step_with_save")}
+    with tempfile.TemporaryDirectory() as root:
+        ck = Checkpointer(root, CheckpointerConfig(job_id=f"bench-cuda-{uuid.uuid4().hex}"), optimizers=[opt])
+        ck.prepare(state)
+        for step_no in range(2):
+            ck.save(step_no, state, persist=False)
+            step()
+        for rep in range(args.repeats):
+            rows["pinned_copy"].append(timed(pinned_copy))
+            rows["warm_save"].append(timed(lambda r=rep: ck.save(10 + r, state, persist=False)))
+            rows["restore"].append(timed(lambda: ck.load(target=state)))
+            rows["step_alone"].append(timed(step))
+            rows["step_with_save"].append(timed(lambda r=rep: (ck.save(100 + r, state, persist=False,
+                                                                        async_snapshot=True), step())))
+        ck.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"{nbytes / 2**30:.2f} GiB in {args.tensors} tensors on {torch.cuda.get_device_name()}")
+    print(f"{'metric':<16}{'median s':>10}{'GB/s':>8}{'x pinned':>10}")
+    for name, value in med.items():
+        rate = f"{nbytes / value / 1e9:8.1f}" if name in ("pinned_copy", "warm_save", "restore") else " " * 8
+        print(f"{name:<16}{value:10.4f}{rate}{value / med['pinned_copy']:10.2f}")
+    print(f"overlapped stall per step: {med['step_with_save'] - med['step_alone']:.4f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
