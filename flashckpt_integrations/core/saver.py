@@ -203,14 +203,14 @@ class Saver:
             if int(request["rank"]) == 0:
                 with self.pending_lock:
                     self.pending += 1
-                self.commit_executor.submit(self._commit_and_release, request)
+                self.commit_executor.submit(self._commit_and_release, request, reply["error"])
         finally:
             with self.pending_lock:
                 self.pending -= 1
 
-    def _commit_and_release(self, request: dict[str, Any]) -> None:
+    def _commit_and_release(self, request: dict[str, Any], local_error: str | None) -> None:
         try:
-            self.commit(request)
+            self.commit(request, local_error)
         finally:
             with self.pending_lock:
                 self.pending -= 1
@@ -289,14 +289,20 @@ class Saver:
         logger.info("rank %d step %d persisted: %d files, %.1f MiB in %.2fs", rank, step, len(entries),
                     total / 2**20, elapsed)
 
-    def commit(self, request: dict[str, Any]) -> None:
-        """Committer (the saver of global rank 0): commit once every rank's marker exists."""
+    def commit(self, request: dict[str, Any], local_error: str | None = None) -> None:
+        """Committer (the saver of global rank 0): commit once every rank's marker exists.
+
+        ``local_error`` is rank 0's own persist failure: the step cannot commit, and its
+        failed marker may not have reached storage (a read-only one, say), so do not wait.
+        """
         step, world_size = int(request["step"]), int(request["world_size"])
         layout = Layout(**request["layout"])
         storage = self._storage(request)
         marker_dir = layout.marker_dir(step)
         deadline = time.monotonic() + float(request.get("commit_timeout", 600))
         try:
+            if local_error is not None:
+                raise RuntimeError(f"ranks [0] failed to persist step {step}: {local_error}")
             while True:
                 names = set(storage.list(marker_dir))
                 if COMMITTED in names or FAILED in names:
