@@ -300,10 +300,10 @@ class Checkpointer:
     ) -> str | None:
         """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None.
 
-        A host-memory snapshot that is to be persisted is handed to the saver before the copy
-        starts: the saver streams each region to storage as soon as it is in place.
+        With ``stream_persist``, a host-memory snapshot that is to be persisted is handed to the
+        saver before the copy starts: the saver streams each region as soon as it is in place.
         """
-        stream = durable is not None and not events and not on_device(plan)
+        stream = self.config.stream_persist and durable is not None and not events and not on_device(plan)
         try:
             slot.write_metadata(step, seq, meta_offset, raw_meta)
             if stream:

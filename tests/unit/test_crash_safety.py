@@ -84,10 +84,11 @@ def test_kill_mid_copy_of_a_streaming_persist_never_publishes_the_step(tmp_path)
         """
         import time
         import flashckpt_integrations.core.engine as engine
-        ck = Checkpointer(ckpt_dir)
+        ck = Checkpointer(ckpt_dir, stream_persist=True)
         assert ck.save(1, state(1)).wait(60).committed
         real_copy = engine.copy_regions
         def copy_then_die(plan, slot, on_copied=None):
+            assert on_copied is not None, "the persist must stream"
             plan.regions = plan.regions[:1]
             real_copy(plan, slot, on_copied)  # region 0 is in place: the saver streams it
             time.sleep(1.0)
@@ -110,6 +111,14 @@ def test_kill_mid_copy_of_a_streaming_persist_never_publishes_the_step(tmp_path)
         loaded = ck.load()
         assert (loaded.step, loaded.source) == (1, "memory")
         assert torch.equal(loaded.state["w"], expected(1)["w"])
+
+
+def test_streaming_persist_round_trip(make_checkpointer):
+    ck = make_checkpointer(stream_persist=True)
+    for step in (1, 2, 3):
+        assert ck.save(step, expected(step)).wait(60).committed
+    for step in (2, 3):
+        assert torch.equal(ck.load(step, prefer_memory=False).state["w"], expected(step)["w"])
 
 
 def test_memory_save_right_after_a_persisting_save_loses_nothing(make_checkpointer, monkeypatch, tmp_path):
