@@ -230,6 +230,7 @@ class Bench:
         base = a.dir or "/tmp"
         os.makedirs(base, exist_ok=True)
         self.root = tempfile.mkdtemp(prefix="flashckpt-bench-", dir=base)
+        self.settle = a.settle
         # A private tmpfs directory for the slots: the same memory as /dev/shm itself, but out
         # of reach of anything that sweeps /dev/shm/flashckpt-<uid>-* (the test suite's fixture).
         self.shm_dir = tempfile.mkdtemp(prefix="flashckpt-bench-", dir=a.shm_base)
@@ -346,6 +347,7 @@ class Bench:
         """Nothing of ours in flight, dirty pages written back: each measurement starts equal."""
         self.ck.wait()
         os.sync()
+        time.sleep(self.settle)  # let the file system finish deferred work (discards of deleted files)
 
     # -- one repeat of every metric --
 
@@ -700,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="length of the simulated step as a multiple of raw_copy (default 2.5)")
     parser.add_argument("--skip-dcp", action="store_true", help="skip the torch.distributed.checkpoint baselines")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="seconds to wait after sync before each disk measurement (default 1.0)")
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.tensors < 1 or args.repeats < 1:
         parser.error("--gib, --tensors and --repeats must be positive")

@@ -165,6 +165,9 @@ def _storage_region(storage: torch.UntypedStorage, regions: list[Region], by_sto
     return index
 
 
+_STORAGE_TYPES = (torch.storage.TypedStorage, torch.UntypedStorage)
+
+
 def _pack_torch(path: str, spec: FileSpec, regions: list[Region], by_storage: dict[int, int]) -> FilePlan:
     plan = FilePlan(path, Codec.TORCH, b"")
     keys: dict[int, str] = {}
@@ -172,7 +175,7 @@ def _pack_torch(path: str, spec: FileSpec, regions: list[Region], by_storage: di
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
-            if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+            if not isinstance(obj, _STORAGE_TYPES):  # called for every object pickled: keep it cheap
                 return None
             if isinstance(obj, torch.storage.TypedStorage):
                 storage = obj._untyped_storage
