@@ -141,3 +141,9 @@ def test_marker_checksums_detect_a_changed_file(make_checkpointer, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         ck.load(prefer_memory=False)
     os.unlink(path)
+
+
+def test_a_rank_with_nothing_to_write_still_takes_part(make_checkpointer):
+    ck = make_checkpointer()
+    assert ck.save(5, files={}).wait(60).committed
+    assert ck.load(prefer_memory=False).files == {} and ck.load().files == {}
