@@ -7,12 +7,14 @@ request it writes the rank's files from its slot through the storage layer, then
 done marker; the saver that serves global rank 0 is the job's committer: it waits for every
 rank's marker, writes the commit record and the tracker, then applies retention.
 
-It outlives a crashed trainer, so the restarted trainer finds it (and its memory) again, and
-it exits once the job is over: every rank closed cleanly, or the launcher process it watches
-is gone and no rank is connected, and in either case nothing is left in flight.
+It outlives a crashed trainer (finishing what it was given), so the restarted trainer finds
+it again, and it exits once nothing is left in flight and the job is over: every rank closed
+cleanly, or the launcher process it watches is gone and no rank is connected, or no rank has
+been connected for ``--idle-exit`` seconds. The snapshots live in /dev/shm, not in the saver:
+a restarted rank that finds no saver starts a new one and still restores from memory.
 
-Wire protocol: one JSON object per line. Requests carry ``op`` ("hello", "persist", "close",
-"ping") and an ``id``; the saver answers each with ``{"id": ..., "ok": bool, "error": str}``.
+Wire protocol: one JSON object per line. Requests carry ``op`` ("hello", "persist", "attach",
+"close", "ping") and an ``id``; the saver answers each with ``{"id": ..., "ok": bool, "error": str}``.
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ class _Connection:
 
 
 class Saver:
-    def __init__(self, run_dir: str, watch_pid: int | None) -> None:
+    def __init__(self, run_dir: str, watch_pid: int | None, idle_exit_s: float = 300.0) -> None:
         self.run_dir = run_dir
         self.watch_pid = watch_pid
+        self.idle_exit_s = idle_exit_s
+        self.idle_since = time.monotonic()
         self.selector = selectors.DefaultSelector()
         self.connections: dict[int, _Connection] = {}
         self.registered: set[int] = set()
@@ -94,15 +98,19 @@ class Saver:
 
     def _should_exit(self) -> bool:
         with self.pending_lock:
-            if self.pending:
-                return False
-        if self.connections:
+            busy = self.pending > 0
+        if busy or self.connections:
+            self.idle_since = time.monotonic()
             return False
         if self.registered and self.registered <= self.closed_clean:
             logger.info("every rank closed cleanly; the job is over")
             return True
-        if self.watch_pid and not _pid_alive(self.watch_pid):
+        if self.watch_pid and self.watch_pid != 1 and not _pid_alive(self.watch_pid):
             logger.info("launcher pid %d is gone and no rank is connected", self.watch_pid)
+            return True
+        if time.monotonic() - self.idle_since > self.idle_exit_s:
+            # Memory snapshots live in /dev/shm, not here: a restarted rank starts a new saver.
+            logger.info("no rank connected and nothing to do for %.0fs", self.idle_exit_s)
             return True
         return False
 
@@ -393,7 +401,10 @@ def _pid_alive(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="flashckpt node saver (started by the trainers)")
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--watch-pid", type=int, default=None)
+    parser.add_argument("--watch-pid", type=int, default=None,
+                        help="the launcher's pid: once it is gone and no rank is connected, exit")
+    parser.add_argument("--idle-exit", type=float, default=300.0,
+                        help="exit after this many seconds with no rank connected and nothing in flight")
     parser.add_argument("--log-level", default=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s saver[%(process)d] %(levelname)s %(message)s")
@@ -415,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         os.umask(old_umask)
     listener.listen(256)
     try:
-        Saver(args.run_dir, args.watch_pid).serve(listener)
+        Saver(args.run_dir, args.watch_pid, args.idle_exit).serve(listener)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
