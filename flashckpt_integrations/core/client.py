@@ -152,7 +152,7 @@ class SaverClient:
         with log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "flashckpt_integrations.core.saver", "--run-dir", self.run_dir,
-                 "--watch-pid", str(os.getppid())],
+                 "--watch-pid", str(os.getppid()), "--idle-exit", knobs.get(knobs.SAVER_IDLE_EXIT, "300")],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
                 start_new_session=True, env=env, cwd="/",
             )

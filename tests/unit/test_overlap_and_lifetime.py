@@ -144,3 +144,20 @@ def test_saver_is_a_separate_program_not_a_fork(make_checkpointer):
         cmdline = f.read().split(b"\0")
     assert b"flashckpt_integrations.core.saver" in cmdline
     assert os.getsid(pid) == pid, "the saver runs in its own session"
+
+
+def test_saver_of_a_crashed_job_exits_when_idle(tmp_path):
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, torch
+        from flashckpt_integrations import Checkpointer
+        ck = Checkpointer(sys.argv[1])
+        assert ck.save(1, {"w": torch.ones(10)}).wait(60).committed
+        print(ck.run_dir, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    crashed = run_python(code, str(tmp_path / "ckpt"), env={"FLASHCKPT_SAVER_IDLE_EXIT": "2"})
+    assert crashed.returncode == -signal.SIGKILL
+    (pid,) = saver_pids(crashed.stdout.strip())
+    assert _gone(pid, timeout=20), "an idle saver whose ranks are gone must exit"
