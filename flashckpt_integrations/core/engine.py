@@ -272,11 +272,22 @@ class Checkpointer:
         try:
             if wait:
                 self.wait()
+            self._warn_if_newest_is_memory_only()
         except Exception:
             failed = True
             raise
         finally:
             self._shutdown(clean=not failed)
+
+    def _warn_if_newest_is_memory_only(self) -> None:
+        memory = self.memory_steps()
+        committed = self.committed_steps()
+        if memory and (not committed or memory[-1] > committed[-1]):
+            logger.warning(
+                "[RANK %d] step %d was only in memory and is discarded by close() (newest on storage: %s); "
+                "save it with persist=True before close() to keep it", self.rank, memory[-1],
+                committed[-1] if committed else None,
+            )
 
     def __enter__(self) -> Checkpointer:
         return self

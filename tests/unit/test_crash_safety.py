@@ -247,3 +247,11 @@ def test_staging_layout_publishes_the_step_directory_only_at_commit(make_checkpo
     assert (tmp_path / "ckpt" / "iter_0000042" / "rank-0.pt").exists()
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "42"
     assert torch.equal(ck.load(prefer_memory=False).state["w"], expected(42)["w"])
+
+
+def test_close_warns_when_the_newest_step_was_only_in_memory(make_checkpointer, caplog):
+    ck = make_checkpointer()
+    assert ck.save(1, expected(1)).wait(60).committed
+    ck.save(2, expected(2), persist=False)
+    ck.close()
+    assert any("step 2 was only in memory" in r.message for r in caplog.records)
