@@ -25,6 +25,7 @@ import json
 import pickle
 import struct
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -165,7 +166,43 @@ def _storage_region(storage: torch.UntypedStorage, regions: list[Region], by_sto
     return index
 
 
-_STORAGE_TYPES = (torch.storage.TypedStorage, torch.UntypedStorage)
+class _StorageRef:
+    """Stands for ``tensor.storage()`` in a pickle; never pickled itself (see persistent_id)."""
+
+    __slots__ = ("storage", "dtype", "itemsize")
+
+    def __init__(self, storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
+        self.storage, self.dtype, self.itemsize = storage, dtype, dtype.itemsize
+
+
+_STORAGE_TYPES = (torch.storage.TypedStorage, torch.UntypedStorage, _StorageRef)
+_LEGACY_STORAGE_TYPES: dict[torch.dtype, Any] = {}
+
+
+def _legacy_storage_type(dtype: torch.dtype) -> Any:
+    """``torch.FloatStorage`` and friends: the class name ``torch.save`` puts in a pickle."""
+    if dtype not in _LEGACY_STORAGE_TYPES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            typed = torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)
+            try:
+                _LEGACY_STORAGE_TYPES[dtype] = getattr(torch, typed._pickle_storage_type())
+            except KeyError:  # newer dtypes (fp8, ...) have none: torch's own reduction handles them
+                _LEGACY_STORAGE_TYPES[dtype] = None
+    return _LEGACY_STORAGE_TYPES[dtype]
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A tensor whose pickle is exactly ``_rebuild_tensor_v2`` over its storage."""
+    return (
+        tensor.layout is torch.strided
+        and tensor.device.type in ("cpu", "cuda")
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not tensor.__dict__
+        and not torch._utils.get_tensor_metadata(tensor)
+    )
 
 
 def _pack_torch(path: str, spec: FileSpec, regions: list[Region], by_storage: dict[int, int]) -> FilePlan:
@@ -174,10 +211,23 @@ def _pack_torch(path: str, spec: FileSpec, regions: list[Region], by_storage: di
     dtypes: dict[int, torch.dtype] = {}
 
     class _Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            # Plain dense tensors: the same reduction as Tensor.__reduce_ex__, without building
+            # a TypedStorage per tensor (half the cost of pickling a state dict).
+            if type(obj) is not torch.Tensor or _legacy_storage_type(obj.dtype) is None or not _plain(obj):
+                return NotImplemented
+            ref = _StorageRef(obj.untyped_storage(), obj.dtype)
+            args = (ref, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
+            return torch._utils._rebuild_tensor_v2, args
+
         def persistent_id(self, obj: Any) -> Any:
             if not isinstance(obj, _STORAGE_TYPES):  # called for every object pickled: keep it cheap
                 return None
-            if isinstance(obj, torch.storage.TypedStorage):
+            if isinstance(obj, _StorageRef):
+                storage, dtype = obj.storage, obj.dtype
+                storage_type = _legacy_storage_type(dtype)
+                numel = storage.nbytes() // obj.itemsize
+            elif isinstance(obj, torch.storage.TypedStorage):
                 storage = obj._untyped_storage
                 dtype = obj.dtype
                 storage_type = getattr(torch, obj._pickle_storage_type())

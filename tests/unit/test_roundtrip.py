@@ -147,3 +147,21 @@ def test_a_rank_with_nothing_to_write_still_takes_part(make_checkpointer):
     ck = make_checkpointer()
     assert ck.save(5, files={}).wait(60).committed
     assert ck.load(prefer_memory=False).files == {} and ck.load().files == {}
+
+
+def test_torch_codec_pickle_is_byte_identical_to_torch_save(tmp_path):
+    import io
+    import zipfile
+
+    from flashckpt_integrations.core.state import normalize_files, plan_snapshot
+
+    base = torch.randn(6, 4)
+    state = {"w": base, "t": base.t(), "v": base[1:3], "i": torch.arange(5), "b": torch.ones(2, dtype=torch.bool),
+             "h": torch.randn(3).bfloat16(), "g": torch.randn(2, requires_grad=True), "f8": torch.zeros(2).to(
+                 torch.float8_e5m2), "p": torch.nn.Parameter(torch.randn(2)), "meta": {"lr": 0.1, "n": [1, 2]}}
+    (plan,) = plan_snapshot(normalize_files({"x.pt": state})).files
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        assert plan.blob == archive.read(name)
