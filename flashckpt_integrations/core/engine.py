@@ -392,9 +392,12 @@ class Checkpointer:
                 if "COMMITTED" in names:
                     return PersistResult(step, True)
                 if FAILED in names:
-                    reason = read_json(self.storage, f"{marker_dir}/{FAILED}").get("reason")
-                    logger.error("[RANK %d] step %d was not committed: %s", self.rank, step, reason)
-                    return PersistResult(step, False, reason)
+                    failure = read_json(self.storage, f"{marker_dir}/{FAILED}")
+                    mine = read_json(self.storage, self.layout.rank_marker(step, self.rank))
+                    if failure.get("time", 0) >= mine.get("time", 0):  # else: an earlier attempt's
+                        reason = failure.get("reason")
+                        logger.error("[RANK %d] step %d was not committed: %s", self.rank, step, reason)
+                        return PersistResult(step, False, reason)
             except FlashCkptError as exc:
                 logger.warning("[RANK %d] cannot read commit state of step %d: %s", self.rank, step, exc)
             time.sleep(delay)

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .codecs import write_file
-from .layout import COMMITTED, FAILED, Layout, committed_steps, now, write_json
+from .layout import COMMITTED, FAILED, Layout, committed_steps, now, read_json, write_json
 from .protocol import LOCK_NAME, SOCKET_NAME
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
@@ -265,6 +265,7 @@ class Saver:
         slot.lock()
         try:
             try:
+                _claim_step(storage, layout, step, rank)
                 metadata = _checked_metadata(slot, step, seq, filling=True)
                 base = layout.write_path(step)
                 entries = []
@@ -311,6 +312,7 @@ class Saver:
         try:
             if local_error is not None:
                 raise RuntimeError(f"ranks [0] failed to persist step {step}: {local_error}")
+            _drop_stale_failure(storage, layout, step)
             while True:
                 names = set(storage.list(marker_dir))
                 if COMMITTED in names or FAILED in names:
@@ -359,6 +361,31 @@ class Saver:
                 logger.error("retention could not delete step %d: %s", step, exc)
                 continue
             logger.info("retention deleted step %d in %.2fs", step, time.monotonic() - started)
+
+
+def _claim_step(storage: Storage, layout: Layout, step: int, rank: int) -> None:
+    """Refuse to write into a committed step; drop this rank's markers of an earlier attempt."""
+    names = set(storage.list(layout.marker_dir(step)))
+    if COMMITTED in names:
+        raise RuntimeError(
+            f"step {step} is already committed in {getattr(storage, 'url', '')}; saving it again would mix "
+            "two checkpoints of the same step. Delete that step (or resume from it) before saving it "
+            "again, or save to a new directory"
+        )
+    for name in (f"rank-{rank}.done", f"rank-{rank}.failed"):
+        if name in names:
+            storage.remove(f"{layout.marker_dir(step)}/{name}")
+
+
+def _drop_stale_failure(storage: Storage, layout: Layout, step: int) -> None:
+    """A FAILED record older than rank 0's new marker belongs to an earlier attempt of the step."""
+    marker_dir = layout.marker_dir(step)
+    if FAILED not in set(storage.list(marker_dir)):
+        return
+    failed_at = read_json(storage, f"{marker_dir}/{FAILED}").get("time", 0)
+    if read_json(storage, layout.rank_marker(step, 0)).get("time", 0) > failed_at:
+        storage.remove(f"{marker_dir}/{FAILED}")
+        logger.info("step %d is being saved again; its earlier failed attempt is forgotten", step)
 
 
 def _checked_metadata(slot: Slot, step: int, seq: int, *, filling: bool = False) -> dict[str, Any]:

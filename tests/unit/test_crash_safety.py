@@ -255,3 +255,23 @@ def test_close_warns_when_the_newest_step_was_only_in_memory(make_checkpointer, 
     ck.save(2, expected(2), persist=False)
     ck.close()
     assert any("step 2 was only in memory" in r.message for r in caplog.records)
+
+
+def test_saving_a_committed_step_again_fails_instead_of_mixing(make_checkpointer, tmp_path):
+    ck = make_checkpointer()
+    assert ck.save(3, expected(3)).wait(60).committed
+    again = ck.save(3, expected(4)).wait(60)
+    assert not again.committed and "already committed" in again.error
+    assert torch.equal(ck.load(3, prefer_memory=False).state["w"], expected(3)["w"])
+
+
+def test_a_step_whose_first_attempt_failed_can_be_saved_again(make_checkpointer, tmp_path):
+    root = tmp_path / "ckpt"
+    ck = make_checkpointer(root, storage_factory="tests.helpers:FailingStorage")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "FAIL").write_text("")
+    assert not ck.save(5, expected(5)).wait(60).committed
+    os.unlink(root / "FAIL")
+    assert ck.save(5, expected(5)).wait(60).committed
+    assert ck.committed_steps() == [5]
+    assert torch.equal(ck.load(5, prefer_memory=False).state["w"], expected(5)["w"])
