@@ -1,0 +1,577 @@
+"""Flash checkpoints for the HuggingFace ``Trainer``, in the Trainer's own checkpoint format.
+
+```python
+from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer
+
+trainer = FlashCkptTrainer(model=model, args=args, train_dataset=ds,
+                           flash_memory_interval=10)   # memory-only snapshot every 10 steps
+trainer.train(resume_from_checkpoint=True)             # newest of: memory snapshot, committed checkpoint
+```
+
+* At the Trainer's save steps (``save_strategy``/``save_steps``) the state is copied into shared
+  memory in about the time of one memory copy; the node's saver writes ``<output_dir>/checkpoint-N/``
+  in the background with exactly the files ``Trainer`` writes (``model.safetensors``, ``optimizer.pt``,
+  ``scheduler.pt``, ``rng_state.pth`` or ``rng_state_<rank>.pth``, ``trainer_state.json``,
+  ``training_args.bin``, ``config.json``, ``generation_config.json``, the tokenizer's files), so a plain
+  ``Trainer`` and ``from_pretrained`` read it. The folder appears only once every rank's files are
+  durable (it is written under ``.flashckpt/staging/`` and renamed at commit), so
+  ``get_last_checkpoint`` never sees a partial one. ``save_total_limit`` is applied after each commit.
+* Every ``flash_memory_interval`` steps (``FlashMemorySnapshotCallback``) a snapshot is also taken into
+  shared memory only. It survives the death of the training process (not a reboot).
+* ``train(resume_from_checkpoint=True)`` resumes from shared memory when every rank holds the same
+  complete snapshot that is at least as new as the newest committed checkpoint: model weights and
+  optimizer state come straight from memory, and the small files (``trainer_state.json``, RNG states)
+  are laid out in a private folder that the stock resume code reads. Otherwise it resumes from the
+  newest committed checkpoint through the stock code. Data order and RNG continue exactly as with a
+  stock resume from a checkpoint of the same step. An explicit path resumes from that path (stock).
+* At the end of ``train()`` in-flight persisting is awaited and the shared memory is freed. When
+  training raises, the memory is kept for a restart (and in-flight persisting finishes at exit).
+
+Configurations this adapter does not handle yet (DeepSpeed, FSDP, XLA, SageMaker MP, PEFT adapters,
+quantized models, tensor parallelism from ``from_pretrained``, hyperparameter search, ``push_to_hub``,
+``save_on_each_node``) fall back to the stock ``Trainer`` checkpointing, with a warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import CheckpointerConfig
+from ..core import collectives
+from ..core.engine import Checkpointer
+from ..core.layout import Layout
+from ..core.results import SaveResult
+from ..core.retention import RetentionPolicy
+from ..core.state import Codec, FileSpec
+from ..errors import FlashCkptError, missing_dependency
+
+try:
+    import transformers
+    from transformers import PreTrainedModel, Trainer, TrainerCallback
+    from transformers.trainer_pt_utils import reissue_pt_warnings
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise missing_dependency("transformers", "hf") from exc
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FlashCkptTrainer", "FlashMemorySnapshotCallback"]
+
+# File names of a Trainer checkpoint (stable across transformers 4.x and 5.x).
+TRAINER_STATE_NAME = "trainer_state.json"
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+SCALER_NAME = "scaler.pt"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+MAX_SHARD_SIZE = "50GB"
+"""``save_pretrained``'s default, which ``Trainer`` uses: bigger models are split the same way."""
+
+_WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+
+
+class FlashMemorySnapshotCallback(TrainerCallback):
+    """Asks for a memory-only snapshot every ``interval`` optimizer steps.
+
+    The snapshot itself is taken by :class:`FlashCkptTrainer` once the step's logging and
+    evaluation are done (where ``Trainer`` saves), so that it holds exactly what a checkpoint of
+    that step holds. A step that is also a save step is persisted instead.
+    """
+
+    def __init__(self, trainer: FlashCkptTrainer, interval: int) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"flash_memory_interval={interval!r} must be a positive number of steps or None")
+        self._trainer = weakref.ref(trainer)
+        self.interval = interval
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None and state.global_step % self.interval == 0:
+            trainer._flash_memory_due = True
+
+
+@dataclass
+class _MemoryResume:
+    """A snapshot being resumed from memory: its step, the folder of its small files, its objects."""
+
+    step: int
+    path: str
+    files: dict[str, Any]
+
+
+class FlashCkptTrainer(Trainer):
+    """``transformers.Trainer`` whose checkpoints go through shared memory and a background saver.
+
+    Extra keyword arguments (everything else is passed to ``Trainer``):
+
+    * ``flash_memory_interval``: take a memory-only snapshot every this many optimizer steps
+      (``None``: only the Trainer's own save steps). Memory snapshots cost one memory copy of the
+      state and let a crashed job resume from a newer step than the newest checkpoint on disk.
+    * ``flash_config``: a :class:`~flashckpt_integrations.CheckpointerConfig` or a dict of its fields
+      (e.g. ``{"async_snapshot": True}``, ``{"retention": {"keep_last": 3, "keep_every": 1000}}``).
+      The layout is always the Trainer's (``checkpoint-N``, staged); without a retention policy the
+      newest ``save_total_limit`` checkpoints are kept.
+
+    After ``train()``: ``flash_resumed_from`` is ``(step, "memory" | "storage")`` or ``None``, and
+    ``flash_last_save`` is the :class:`~flashckpt_integrations.SaveResult` of the newest snapshot.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        flash_memory_interval: int | None = None,
+        flash_config: CheckpointerConfig | Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._flash_config_arg = flash_config
+        self._flash_checkpointer: Checkpointer | None = None
+        self._flash_memory_due = False
+        self._flash_saved_step: int | None = None
+        self._flash_resume: _MemoryResume | None = None
+        self._flash_warned: set[str] = set()
+        self._flash_attached: Any = None
+        self.flash_resumed_from: tuple[int, str] | None = None
+        self.flash_last_save: SaveResult | None = None
+        if flash_memory_interval is not None:
+            self.add_callback(FlashMemorySnapshotCallback(self, flash_memory_interval))
+        if self.args.load_best_model_at_end and self._flash_keep_last() is not None:
+            logger.warning("flashckpt: retention keeps the newest %d checkpoints and does not protect the best "
+                           "one yet; load_best_model_at_end may not find it", self._flash_keep_last())
+
+    # --- the checkpointer ------------------------------------------------------------------
+
+    @property
+    def flash_checkpointer(self) -> Checkpointer:
+        """The checkpointer of this trainer, created on first use (after the process group exists)."""
+        if self._flash_checkpointer is None:
+            self._flash_checkpointer = Checkpointer(self.args.output_dir, self._flash_make_config())
+            if self._flash_checkpointer.config.async_snapshot and self.optimizer is not None:
+                self._flash_checkpointer.attach_optimizer(_torch_optimizer(self.optimizer))
+                self._flash_attached = self.optimizer
+        return self._flash_checkpointer
+
+    def _flash_keep_last(self) -> int | None:
+        limit = self.args.save_total_limit
+        return limit if limit is not None and limit > 0 else None
+
+    def _flash_make_config(self) -> CheckpointerConfig:
+        """The user's configuration with the Trainer's layout; ``save_total_limit`` unless a retention is set."""
+        layout = Layout(step_dir=f"{PREFIX_CHECKPOINT_DIR}-{{step}}", tracker=None, staging=True)
+        given = self._flash_config_arg
+        if isinstance(given, CheckpointerConfig):
+            config = dataclasses.replace(given, layout=layout)
+        else:
+            config = CheckpointerConfig(**{**dict(given or {}), "layout": layout})
+        if not config.retention.enabled:
+            config = dataclasses.replace(config, retention=RetentionPolicy(keep_last=self._flash_keep_last()))
+        return config
+
+    def _flash_unsupported(self) -> str | None:
+        """Why the stock checkpointing must be used for this configuration, or None."""
+        model = self._flash_unwrapped()
+        reasons = [
+            (self.is_deepspeed_enabled, "DeepSpeed"),
+            (self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False), "FSDP"),
+            (is_torch_xla_available(), "XLA"),
+            (is_sagemaker_mp_enabled(), "SageMaker model parallelism"),
+            (getattr(self, "is_distributed_loading_by_transformers", False), "tensor parallelism"),
+            (_is_peft(model), "PEFT adapters"),
+            (getattr(model, "hf_quantizer", None) is not None, "quantized models"),
+            (self.hp_search_backend is not None, "hyperparameter search"),
+            (self.args.push_to_hub, "push_to_hub"),
+            (self.args.save_on_each_node and self.args.world_size > 1, "save_on_each_node"),
+        ]
+        for applies, name in reasons:
+            if applies:
+                if name not in self._flash_warned:
+                    self._flash_warned.add(name)
+                    logger.warning("flashckpt: %s is not supported by FlashCkptTrainer yet; checkpoints use the "
+                                   "stock Trainer code (no shared memory, no background saving)", name)
+                return name
+        return None
+
+    def _flash_unwrapped(self) -> Any:
+        model = self.model
+        if isinstance(model, PreTrainedModel):
+            return model
+        try:
+            return self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        except TypeError:  # older accelerate
+            return self.accelerator.unwrap_model(model)
+
+    # --- saving ----------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if trial is not None or self._flash_unsupported() is not None:
+            return super()._save_checkpoint(model, trial)
+        self._flash_snapshot(persist=True)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        if self._flash_memory_due:
+            self._flash_memory_due = False
+            if self._flash_saved_step != self.state.global_step and self._flash_unsupported() is None:
+                self._flash_snapshot(persist=False)
+
+    def _flash_snapshot(self, persist: bool) -> SaveResult:
+        """Snapshot what ``Trainer._save_checkpoint`` would write for this step; persist it or not."""
+        ck = self.flash_checkpointer
+        if ck.config.async_snapshot and self._flash_attached is not self.optimizer:
+            ck.attach_optimizer(_torch_optimizer(self.optimizer))
+            self._flash_attached = self.optimizer
+        step = self.state.global_step
+        self.store_flos()
+        should_save = self.args.should_save
+        files: dict[str, Any] = {}
+        if should_save:
+            files.update(self._flash_model_files())
+            if persist:  # config, generation config, tokenizer, training args: what Trainer._save writes
+                files.update(self._flash_small_files(self._save_quietly))
+        best_dir = self._flash_best_checkpoint(step, persist)
+        if not self.args.save_only_model:
+            if should_save:
+                files[OPTIMIZER_NAME] = FileSpec(self.optimizer.state_dict())
+                with warnings.catch_warnings(record=True) as caught:
+                    files[SCHEDULER_NAME] = FileSpec(self.lr_scheduler.state_dict())
+                reissue_pt_warnings(caught)
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None:
+                    files[SCALER_NAME] = FileSpec(scaler.state_dict())
+            files.update(self._flash_small_files(self._save_rng_state))
+        if should_save:
+            files[TRAINER_STATE_NAME] = FileSpec(self._flash_trainer_state(persist, best_dir), Codec.BYTES)
+        result = ck.save(step, files=files, persist=persist)
+        self.flash_last_save = result
+        if persist:
+            self._flash_saved_step = step
+        logger.info("flashckpt: step %d %s (training held %.3fs)", step, result.status.value, result.blocking_s)
+        return result
+
+    def _flash_model_files(self) -> dict[str, FileSpec]:
+        """The weight files ``save_pretrained`` (or ``Trainer._save``) writes, as views of the live tensors."""
+        model = self._flash_unwrapped()
+        if isinstance(model, PreTrainedModel):
+            state_dict = model.state_dict()
+            for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+                state_dict.pop(key, None)
+            state_dict = _without_tied_weights(state_dict, model)
+        else:
+            state_dict = dict(self.model.state_dict())
+        if not getattr(self.args, "save_safetensors", True):  # transformers 4.x option
+            return {WEIGHTS_NAME: FileSpec(state_dict)}
+        metadata = {"format": "pt"}
+        shards = _split_into_shards(state_dict)
+        if shards is None:
+            return {SAFE_WEIGHTS_NAME: FileSpec(state_dict, Codec.SAFETENSORS, metadata=metadata)}
+        files, index = shards
+        out = {name: FileSpec(part, Codec.SAFETENSORS, metadata=metadata) for name, part in files.items()}
+        if isinstance(model, PreTrainedModel):
+            index["metadata"] = {"total_parameters": model.num_parameters(), **index["metadata"]}
+        out[SAFE_WEIGHTS_INDEX_NAME] = FileSpec((json.dumps(index, indent=2, sort_keys=True) + "\n").encode(),
+                                                Codec.BYTES)
+        return out
+
+    def _save_quietly(self, directory: str) -> None:
+        """``Trainer._save`` without the weights: config, generation config, tokenizer, training args."""
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()
+        try:
+            self._save(directory, state_dict={})
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+
+    @staticmethod
+    def _flash_small_files(write: Any) -> dict[str, FileSpec]:
+        """Let the stock code ``write(directory)`` its small files; return them as byte files."""
+        out = {}
+        with tempfile.TemporaryDirectory(prefix="flashckpt-hf-") as scratch:
+            write(scratch)
+            for root, _, names in os.walk(scratch):
+                for name in names:
+                    path = os.path.join(root, name)
+                    rel = os.path.relpath(path, scratch).replace(os.sep, "/")
+                    if rel in _WEIGHT_FILES:  # dummy weights of state_dict={}; the real ones come from memory
+                        continue
+                    with open(path, "rb") as f:
+                        out[rel] = FileSpec(f.read(), Codec.BYTES)
+        return out
+
+    def _flash_best_checkpoint(self, step: int, persist: bool) -> str | None:
+        """``best_model_checkpoint`` as ``_save_checkpoint`` sets it (the folder exists once committed)."""
+        best = self.state.best_model_checkpoint
+        strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
+        if strategy in ("steps", "epoch", "best") and self.state.best_global_step:
+            best_dir = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if (persist and self.state.best_global_step == step) or os.path.exists(best_dir):
+                best = best_dir
+                if persist:
+                    self.state.best_model_checkpoint = best_dir
+        return best
+
+    def _flash_trainer_state(self, persist: bool, best_model_checkpoint: str | None) -> bytes:
+        """``trainer_state.json`` byte for byte as ``TrainerState.save_to_json`` writes it.
+
+        A persisted save updates the live state's callback states as ``_save_checkpoint`` does; a
+        memory snapshot records the same content without touching the live state.
+        """
+        stateful = self.state.stateful_callbacks if persist else copy.deepcopy(self.state.stateful_callbacks)
+        exportable = _exportable_state_class()
+        if exportable is not None:
+            for cb in [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, exportable)]:
+                name = cb.__class__.__name__
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(cb.state())
+                else:
+                    stateful[name] = cb.state()
+        data = dataclasses.asdict(self.state)
+        data["stateful_callbacks"] = copy.deepcopy(stateful)
+        data["best_model_checkpoint"] = best_model_checkpoint
+        return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+    # --- resuming --------------------------------------------------------------------------
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if resume_from_checkpoint is False:
+            resume_from_checkpoint = None
+        self.flash_resumed_from = None
+        self._flash_memory_due, self._flash_saved_step = False, None
+        flash = trial is None and self._flash_unsupported() is None
+        if flash:
+            ck = self.flash_checkpointer
+            if resume_from_checkpoint is True:
+                resume_from_checkpoint = self._flash_resolve_resume(ck)
+            self._flash_warn_newer_commits(ck, resume_from_checkpoint)
+        try:
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        except BaseException:
+            self._flash_abort()
+            raise
+        finally:
+            self._flash_drop_resume()
+        self._flash_finish()
+        return output
+
+    def _flash_resolve_resume(self, ck: Checkpointer) -> str | bool:
+        """The checkpoint ``resume_from_checkpoint=True`` means: memory snapshot, else newest commit."""
+        step = _newest_memory_step(ck)
+        if step is not None:
+            # The RNG files are byte files (torch.save by the stock code): nothing here needs numpy unpickled.
+            files = ck.load(step, map_location="cpu").files
+            if ck.world_size > 1:
+                files = _share_from_rank0(files, ck.rank)
+            if TRAINER_STATE_NAME not in files:
+                raise FlashCkptError(
+                    f"the shared-memory snapshot of step {step} holds no {TRAINER_STATE_NAME}; it was not taken "
+                    "by FlashCkptTrainer. Remove it with `flashckpt clean <output_dir>` or pass a checkpoint path."
+                )
+            path = tempfile.mkdtemp(prefix=f"flashckpt-memory-{PREFIX_CHECKPOINT_DIR}-{step}-")
+            for name, obj in files.items():
+                if isinstance(obj, (bytes, bytearray)):  # trainer_state.json, rng_state*.pth, config.json, ...
+                    target = os.path.join(path, name)
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    with open(target, "wb") as f:
+                        f.write(obj)
+            self._flash_resume = _MemoryResume(step, path, files)
+            self.flash_resumed_from = (step, "memory")
+            logger.warning("flashckpt: resuming from the shared-memory snapshot of step %d", step)
+            return path
+        committed = ck.committed_steps()
+        if committed:
+            self.flash_resumed_from = (committed[-1], "storage")
+            logger.warning("flashckpt: resuming from committed checkpoint %d", committed[-1])
+            return os.path.join(self.args.output_dir, ck.layout.step_path(committed[-1]))
+        return True  # nothing of ours: the stock lookup (a checkpoint written by a plain Trainer) or its error
+
+    def _flash_warn_newer_commits(self, ck: Checkpointer, resume: Any) -> None:
+        if not self.args.should_save:
+            return
+        start = self._flash_resume.step if self._flash_resume is not None else None
+        if start is None and isinstance(resume, str):
+            name = os.path.basename(os.path.normpath(resume))
+            start = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else None
+        newer = [s for s in ck.committed_steps() if start is None or s > start]
+        if newer:
+            logger.warning("flashckpt: %s already holds committed checkpoints of steps %s; saving one of those "
+                           "steps again does not replace it", self.args.output_dir, newer)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        memory = self._flash_resume
+        if memory is None or resume_from_checkpoint != memory.path:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = self.model if model is None else model
+        state_dict: dict[str, torch.Tensor] = {}
+        for name in list(memory.files):  # popped: the copies are freed once they are in the model
+            if name == WEIGHTS_NAME or (name.startswith("model") and name.endswith(".safetensors")):
+                state_dict.update(memory.files.pop(name))
+        if not state_dict:
+            raise FlashCkptError(f"the shared-memory snapshot of step {memory.step} holds no model weights")
+        load_result = model.load_state_dict(state_dict, False)
+        del state_dict
+        self._issue_warnings_after_load(load_result)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        memory = self._flash_resume
+        if memory is None or checkpoint != memory.path:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer, scheduler = memory.files.pop(OPTIMIZER_NAME, None), memory.files.pop(SCHEDULER_NAME, None)
+        if optimizer is None or scheduler is None:  # save_only_model: as the stock code, load neither
+            return
+        self.optimizer.load_state_dict(optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            self.lr_scheduler.load_state_dict(scheduler)
+        reissue_pt_warnings(caught)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        memory = self._flash_resume
+        if memory is None or checkpoint != memory.path:
+            return super()._load_scaler(checkpoint)
+        scaler = memory.files.pop(SCALER_NAME, None)
+        if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
+            self.accelerator.scaler.load_state_dict(scaler)
+
+    def _load_best_model(self) -> None:
+        if self._flash_checkpointer is not None:
+            self._flash_checkpointer.wait()  # the best checkpoint may still be being written
+        super()._load_best_model()
+
+    # --- end of training -------------------------------------------------------------------
+
+    def _flash_drop_resume(self) -> None:
+        if self._flash_resume is not None:
+            shutil.rmtree(self._flash_resume.path, ignore_errors=True)
+            self._flash_resume = None
+
+    def _flash_finish(self) -> None:
+        """Wait for in-flight persisting, then free the shared memory."""
+        ck, self._flash_checkpointer = self._flash_checkpointer, None
+        self._flash_attached = None
+        if ck is None:
+            return
+        result = ck.wait()
+        if result is not None and not result.committed:
+            logger.error("flashckpt: the last checkpoint (step %d) was not committed: %s", result.step, result.error)
+        ck.close()
+
+    def _flash_abort(self) -> None:
+        """Training raised: let in-flight persisting finish, keep the memory for a restart."""
+        if self._flash_checkpointer is not None:
+            try:
+                self._flash_checkpointer.wait()
+            except Exception as exc:  # never mask the training error
+                logger.error("flashckpt: in-flight checkpoints did not finish: %s", exc)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's ``AcceleratedOptimizer``."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _is_peft(model: Any) -> bool:
+    if getattr(model, "_hf_peft_config_loaded", False):
+        return True
+    try:
+        from transformers.trainer_utils import _is_peft_model
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(_is_peft_model(model))
+
+
+def _exportable_state_class() -> type | None:
+    try:
+        from transformers.trainer_callback import ExportableState
+    except ImportError:  # pragma: no cover - transformers < 4.41 has no stateful callbacks
+        return None
+    return ExportableState
+
+
+def _without_tied_weights(state_dict: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
+    """Drop tied duplicates as ``save_pretrained`` does (safetensors stores no aliases)."""
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:
+        remove_tied_weights_from_state_dict = None
+    if remove_tied_weights_from_state_dict is not None:
+        state_dict = remove_tied_weights_from_state_dict(state_dict, model)
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:
+            return state_dict
+        return revert_weight_conversion(model, state_dict)
+    # transformers 4.x: keep the first name of each group of tensors sharing memory, preferring
+    # names that are not declared tied (the ones from_pretrained ties back)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    groups: dict[tuple[Any, int, int], list[str]] = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        groups.setdefault(key, []).append(name)
+    out = dict(state_dict)
+    for names in groups.values():
+        if len(names) > 1:
+            keep = sorted(names, key=lambda n: (any(n.endswith(t) for t in tied), n))[0]
+            for name in names:
+                if name != keep:
+                    del out[name]
+    return out
+
+
+def _split_into_shards(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, dict], dict] | None:
+    """Shards and index as ``save_pretrained`` makes them; None when the model fits one file."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(state_dict, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=MAX_SHARD_SIZE)
+    if not split.is_sharded:
+        return None
+    files = {name: {k: state_dict[k] for k in keys} for name, keys in split.filename_to_tensors.items()}
+    return files, {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+
+
+def _newest_memory_step(ck: Checkpointer) -> int | None:
+    """The step ``ck.load()`` would restore from memory (collective), or None.
+
+    Mirrors the rule of ``Checkpointer.load``: a step held complete by every rank and at least as
+    new as the newest commit; decided without reading anything from storage.
+    """
+    committed = ck.committed_steps()
+    views = collectives.all_gather_object([ck.memory_steps(), committed[-1] if committed else None],
+                                          ck.world_size, ck.process_group)
+    common = set.intersection(*(set(v[0]) for v in views))
+    newest_commit = views[0][1]
+    eligible = [s for s in common if newest_commit is None or s >= newest_commit]
+    return max(eligible) if eligible else None
+
+
+def _share_from_rank0(files: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Give every rank rank 0's replicated files (weights, optimizer, trainer state); keep its own RNG file."""
+    shared = [{k: v for k, v in files.items() if not k.startswith("rng_state")} if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return {**shared[0], **{k: v for k, v in files.items() if k.startswith("rng_state")}}

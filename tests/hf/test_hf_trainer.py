@@ -1,0 +1,215 @@
+"""FlashCkptTrainer: native HF checkpoints written by the saver, resume from memory after a crash, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import GPT2LMHeadModel, Trainer, TrainerCallback  # noqa: E402
+
+from flashckpt_integrations.adapters import hf_trainer  # noqa: E402
+from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
+from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
+from tests.hf.common import assert_bitwise_equal, make_trainer, parameters  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+SCRIPT = os.path.join(HERE, "train_script.py")
+
+
+def checkpoints(output_dir) -> list[int]:
+    return sorted(int(n.split("-")[1]) for n in os.listdir(output_dir) if n.startswith("checkpoint-"))
+
+
+def test_saver_writes_native_checkpoints_that_plain_trainer_resumes(tmp_path):
+    flash = make_trainer(FlashCkptTrainer, str(tmp_path / "flash"), max_steps=12, save_steps=4, flash_memory_interval=2)
+    flash.train()
+    assert flash.flash_last_save.status.value == "persisting" and flash.flash_last_save.step == 12
+    assert checkpoints(tmp_path / "flash") == [4, 8, 12]
+    assert not os.listdir(tmp_path / "flash" / ".flashckpt" / "staging")
+
+    stock = make_trainer(Trainer, str(tmp_path / "stock"), max_steps=12, save_steps=4)
+    stock.train()
+    assert_bitwise_equal(parameters(flash.model), parameters(stock.model))
+
+    # The same files as the stock Trainer, with the same content.
+    ours, theirs = tmp_path / "flash" / "checkpoint-8", tmp_path / "stock" / "checkpoint-8"
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs)) == sorted([
+        "config.json", "generation_config.json", "model.safetensors", "optimizer.pt", "rng_state.pth",
+        "scheduler.pt", "trainer_state.json", "training_args.bin"])
+    for name in ("config.json", "generation_config.json", "trainer_state.json", "rng_state.pth"):
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    weights = load_file(ours / "model.safetensors")
+    assert_bitwise_equal(weights, load_file(theirs / "model.safetensors"))
+    assert "lm_head.weight" not in weights  # tied to transformer.wte.weight, dropped as save_pretrained does
+    with safe_open(ours / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    optimizer = torch.load(ours / "optimizer.pt", weights_only=True)
+    expected = torch.load(theirs / "optimizer.pt", weights_only=True)
+    assert optimizer["param_groups"] == expected["param_groups"]
+    for index, state in expected["state"].items():
+        assert_bitwise_equal(optimizer["state"][index], state)
+    assert torch.load(ours / "scheduler.pt", weights_only=True) == torch.load(theirs / "scheduler.pt",
+                                                                              weights_only=True)
+    assert torch.load(ours / "training_args.bin", weights_only=False).max_steps == 12
+
+    # A plain Trainer resumes from the saver's checkpoint and ends bit for bit where the uninterrupted run did.
+    resumed = make_trainer(Trainer, str(tmp_path / "resumed"), max_steps=12, save_steps=4)
+    resumed.train(resume_from_checkpoint=str(ours))
+    assert_bitwise_equal(parameters(resumed.model), parameters(stock.model))
+
+    assert_bitwise_equal(parameters(GPT2LMHeadModel.from_pretrained(tmp_path / "flash" / "checkpoint-12")),
+                         parameters(stock.model))  # lm_head tied back to the embedding
+
+    # Nothing left in memory after a clean end: resume=True finds the newest commit on storage.
+    again = make_trainer(FlashCkptTrainer, str(tmp_path / "flash"), max_steps=12, save_steps=4)
+    again.train(resume_from_checkpoint=True)
+    assert again.flash_resumed_from == (12, "storage")
+
+
+def _env() -> dict[str, str]:
+    # OMP_NUM_THREADS=1: every run computes in the same order, so results compare bit for bit.
+    return {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def _script(out, result, *extra: str, ranks: int = 1) -> list[str]:
+    launcher = torchrun_cmd(ranks, free_port()) if ranks > 1 else [sys.executable]
+    return [*launcher, SCRIPT, "--out", str(out), "--result", str(result), *extra]
+
+
+def _summary(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_kill_after_memory_snapshot_resumes_from_memory_bit_exact(tmp_path, private_shm_dir):
+    # 20 steps (16 per epoch): checkpoints every 5 steps, memory snapshots every 3; killed after step 18.
+    reference = subprocess.Popen(_script(tmp_path / "ref", tmp_path / "ref.pt", "--plain"), env=_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    crashed = subprocess.run(_script(tmp_path / "run", tmp_path / "run.pt", "--kill-at", "18"), env=_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+    assert _summary(crashed.stdout) == {"killing_at": 18}
+    # Storage holds checkpoints up to 15 (the saver finishes what was in flight); step 18 is in memory only.
+    deadline = time.monotonic() + 30
+    while checkpoints(tmp_path / "run") != [5, 10, 15] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoints(tmp_path / "run") == [5, 10, 15], crashed.stdout + crashed.stderr
+
+    resumed = subprocess.run(_script(tmp_path / "run", tmp_path / "run.pt", "--resume"), env=_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    logs = resumed.stdout + resumed.stderr
+    assert _summary(resumed.stdout) == {"final_step": 20, "resumed_from": [18, "memory"]}, logs
+    assert "resuming from the shared-memory snapshot of step 18" in resumed.stderr, logs
+    assert checkpoints(tmp_path / "run") == [5, 10, 15, 20], logs  # no checkpoint-18 was ever written
+
+    out, _ = reference.communicate(timeout=120)
+    assert reference.returncode == 0, out
+    assert_bitwise_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt"))
+    assert os.listdir(private_shm_dir) == []  # a clean end frees the shared memory
+
+
+@pytest.mark.distributed
+def test_ddp_two_ranks_kill_rank0_resumes_from_memory_bit_exact(tmp_path, private_shm_dir):
+    # 2 gloo ranks, 8 steps per epoch: checkpoints every 4 steps, memory every 3; rank 0 killed after step 9.
+    steps = ("--max-steps", "12", "--save-steps", "4", "--memory-interval", "3")
+    reference = subprocess.Popen(_script(tmp_path / "ref", tmp_path / "ref.pt", "--plain", *steps, ranks=2),
+                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    crashed = subprocess.run(_script(tmp_path / "run", tmp_path / "run.pt", "--kill-at", "9", *steps, ranks=2),
+                             env=_env(), capture_output=True, text=True, timeout=120)
+    assert crashed.returncode != 0 and '{"killing_at": 9}' in crashed.stdout, crashed.stdout + crashed.stderr
+    deadline = time.monotonic() + 30  # the saver finishes the commit of step 8 if it was in flight
+    while checkpoints(tmp_path / "run") != [4, 8] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoints(tmp_path / "run") == [4, 8], crashed.stdout + crashed.stderr
+    assert len(os.listdir(private_shm_dir)) == 4  # two slots per rank survive the crash
+
+    resumed = subprocess.run(_script(tmp_path / "run", tmp_path / "run.pt", "--resume", *steps, ranks=2),
+                             env=_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    logs = resumed.stdout + resumed.stderr
+    assert _summary(resumed.stdout) == {"final_step": 12, "resumed_from": [9, "memory"]}, logs
+    assert resumed.stderr.count("resuming from the shared-memory snapshot of step 9") == 2, logs  # both ranks
+    assert checkpoints(tmp_path / "run") == [4, 8, 12], logs
+    names = set(os.listdir(tmp_path / "run" / "checkpoint-12"))
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= names
+
+    out, _ = reference.communicate(timeout=120)
+    assert reference.returncode == 0, out
+    assert names == set(os.listdir(tmp_path / "ref" / "checkpoint-12"))
+    assert_bitwise_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt"))
+    assert os.listdir(private_shm_dir) == []
+
+
+class _FailAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("injected failure")
+
+
+def test_exception_keeps_memory_and_the_same_trainer_resumes_from_it(tmp_path):
+    trainer = make_trainer(FlashCkptTrainer, str(tmp_path / "run"), max_steps=12, save_steps=4,
+                           flash_memory_interval=3)
+    trainer.add_callback(_FailAt(10))  # after the memory snapshot of step 9, with step 10 applied
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.train()
+    trainer.remove_callback(_FailAt)
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.flash_resumed_from == (9, "memory")
+    assert checkpoints(tmp_path / "run") == [4, 8, 12]
+
+    stock = make_trainer(Trainer, str(tmp_path / "stock"), max_steps=12, save_steps=4)
+    stock.train()
+    assert_bitwise_equal(parameters(trainer.model), parameters(stock.model))
+
+
+def test_save_total_limit_keeps_the_two_newest_committed_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    trainer = make_trainer(FlashCkptTrainer, str(out), max_steps=10, save_steps=2, args={"save_total_limit": 2})
+    trainer.train()
+    deadline = time.monotonic() + 30  # retention runs right after the commit that train() waited for
+    while checkpoints(out) != [8, 10] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoints(out) == [8, 10]
+    assert sorted(os.listdir(out / ".flashckpt" / "steps")) == ["10", "8"]
+    for step in (8, 10):
+        assert torch.load(out / f"checkpoint-{step}" / "optimizer.pt", weights_only=True)["state"]
+
+
+def test_models_over_the_shard_size_are_split_like_save_pretrained(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_trainer, "MAX_SHARD_SIZE", "200KB")
+    trainer = make_trainer(FlashCkptTrainer, str(tmp_path / "run"), max_steps=8, save_steps=4, flash_memory_interval=3)
+    trainer.add_callback(_FailAt(7))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.train()
+    trainer.remove_callback(_FailAt)
+    trainer.train(resume_from_checkpoint=True)  # weights restored from the sharded memory snapshot
+    assert trainer.flash_resumed_from == (6, "memory")
+    names = sorted(os.listdir(tmp_path / "run" / "checkpoint-4"))
+    shards = [n for n in names if n.startswith("model-")]
+    assert len(shards) == 3 and "model.safetensors.index.json" in names and "model.safetensors" not in names
+    index = json.loads((tmp_path / "run" / "checkpoint-4" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+
+    stock = make_trainer(Trainer, str(tmp_path / "stock"), max_steps=8, save_steps=4)
+    stock.train()
+    assert_bitwise_equal(parameters(trainer.model), parameters(stock.model))
+    resumed = make_trainer(Trainer, str(tmp_path / "resumed"), max_steps=8, save_steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert_bitwise_equal(parameters(resumed.model), parameters(stock.model))
