@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class RetentionPolicyProtocol(Protocol):
-    def select_deletions(self, committed: list[int]) -> list[int]:
-        """Return the steps of ``committed`` (ascending) to delete."""
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ storage once ``copied`` says it is in place); it is finished only once the slot 
 
 The trainer writes ``state=writing`` before it touches the data and ``state=complete`` last,
 after the metadata and its checksum, so a crash mid-copy leaves a slot that is never loaded.
-The saver only writes ``persist_done``; a slot whose ``persist_req > persist_done`` is being
-persisted and is never overwritten.
+The saver only writes ``persist_done``. ``persist_req``/``persist_done`` record what was asked and
+done (for inspection); what keeps a save out of a slot being persisted is the saver's ``flock``
+on the slot file, plus the trainer's own record of requests not yet answered.
 """
 
 from __future__ import annotations
@@ -78,10 +79,6 @@ class SlotHeader:
     meta_crc: int
     persist_req: int
     persist_done: int
-
-    @property
-    def persisting(self) -> bool:
-        return self.persist_req > self.persist_done
 
 
 def shm_free_bytes(shm_dir: str) -> int:
