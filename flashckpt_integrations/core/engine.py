@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import socket
@@ -154,7 +155,7 @@ class Checkpointer:
             index, reason = self._choose_slot()
             if index is None:
                 return self._finish(SaveResult(step, SaveStatus.SKIPPED, reason), started)
-            raw_meta = _dumps(meta)
+            raw_meta = json.dumps(meta, separators=(",", ":")).encode()
             try:
                 slot = self._ensure_slot(index, end + len(raw_meta), pin=on_device(plan))
             except SharedMemoryError as exc:
@@ -566,12 +567,6 @@ class _AtExit:
         except Exception as exc:
             logger.error("[RANK %d] in-flight checkpoints did not finish at exit: %s", checkpointer.rank, exc)
         checkpointer._shutdown(clean=False)
-
-
-def _dumps(meta: dict[str, Any]) -> bytes:
-    import json
-
-    return json.dumps(meta, separators=(",", ":")).encode()
 
 
 def _locked_by_saver(slot: Slot) -> bool:
