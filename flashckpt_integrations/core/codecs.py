@@ -7,6 +7,7 @@ marker and is verified when the file is read back through :func:`read_file`.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import queue
@@ -20,7 +21,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from .shm_buffer import Slot
-from .state import SAFE_GLOBALS, Codec, rebuild_safetensors, unpickle_torch
+from .state import SAFE_GLOBALS, Codec, rebuild_safetensors, tensor_part_pickle, unpickle_torch
 from .storage import Storage
 
 _TORCH_STORAGE_ALIGNMENT = 64
@@ -97,6 +98,13 @@ def write_file(
         try:
             if codec is Codec.TORCH:
                 _write_torch(out, slot, slot.read_bytes(blob_off, blob_len), fmeta["storages"], regions, ready)
+            elif codec is Codec.PARTS:
+                blob = slot.read_bytes(blob_off, blob_len)
+                for start, end, region in fmeta.get("parts", []):
+                    if region < 0:
+                        out.write(blob[start:end])
+                    else:
+                        _write_torch(out, slot, blob[start:end], {"0": region}, regions, ready)
             else:
                 out.write(slot.memoryview(blob_off, blob_len))
                 for index in fmeta["tensors"]:
@@ -137,6 +145,58 @@ def _write_torch(
     writer.write_end_of_file()
 
 
+class _SizingSink:
+    """Counts the bytes a zip writer would produce; data records are skipped over, never read."""
+
+    def __init__(self) -> None:
+        self.pos = self.end = 0
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.pos += n
+        self.end = max(self.end, self.pos)
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.end + offset
+        self.end = max(self.end, self.pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=4096)
+def torch_file_size(pickle_len: int, nbytes: int) -> int:
+    """Size of the file :func:`_write_torch` writes for one storage of ``nbytes`` (as ``torch.save``)."""
+    sink = _SizingSink()
+    writer = torch._C.PyTorchFileWriter(sink, False, _TORCH_STORAGE_ALIGNMENT)
+    writer.write_record("data.pkl", b"\0" * pickle_len, pickle_len)
+    writer.write_record(".format_version", "1", 1)
+    alignment = str(_TORCH_STORAGE_ALIGNMENT)
+    writer.write_record(".storage_alignment", alignment, len(alignment))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    writer.write_record_metadata("data/0", nbytes)
+    writer.write_end_of_file()
+    return sink.end
+
+
+def parts_layout(parts: list[Any]) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each part in the file the parts codec writes for ``parts``."""
+    out, offset = [], 0
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            length = torch_file_size(len(tensor_part_pickle(part)), part.numel() * part.element_size())
+        else:
+            length = memoryview(part).nbytes
+        out.append((offset, length))
+        offset += length
+    return out
+
+
 def decode_from_slot(
     slot: Slot,
     regions: list[list[int]],
@@ -162,7 +222,16 @@ def decode_from_slot(
     if codec is Codec.SAFETENSORS:
         views = [slot.view(*regions[i]) for i in fmeta["tensors"]]
         return rebuild_safetensors(blob, views, copy=copy)
+    if codec is Codec.PARTS:
+        return [blob[start:end] if region < 0 else unpickle_torch(
+            blob[start:end], lambda _key, r=region: _region_storage(slot, regions, r), weights_only=weights_only,
+            map_location=map_location, copy=copy) for start, end, region in fmeta.get("parts", [])]
     return _decode_small(codec, blob)
+
+
+def _region_storage(slot: Slot, regions: list[list[int]], index: int) -> torch.UntypedStorage:
+    offset, nbytes = regions[index]
+    return slot.storage(offset, nbytes) if nbytes else torch.UntypedStorage(0)
 
 
 def _decode_small(codec: Codec, data: bytes) -> Any:

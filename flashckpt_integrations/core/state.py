@@ -47,6 +47,10 @@ class Codec(str, Enum):
     """Raw bytes, written as they are."""
     JSON = "json"
     """A JSON-serialisable object, written as UTF-8 JSON."""
+    PARTS = "parts"
+    """A list of parts written one after the other: ``bytes`` as they are, each tensor as the
+    ``torch.save`` file of that tensor alone (contiguous, detached); the layout of
+    ``torch.distributed.checkpoint``'s ``.distcp`` files. Read back from storage as bytes."""
 
 
 @dataclass
@@ -81,6 +85,9 @@ class FilePlan:
     """torch: storage key in ``data.pkl`` -> region index."""
     tensors: list[int] = field(default_factory=list)
     """safetensors: region indices in file order."""
+    parts: list[list[int]] = field(default_factory=list)
+    """parts: ``[start, end, region]`` per part; ``blob[start:end]`` is the part's bytes, or the
+    pickle of its tensor when ``region >= 0``."""
 
 
 @dataclass
@@ -114,6 +121,7 @@ class SnapshotPlan:
                     "blob": [off, len(f.blob)],
                     "storages": f.storages,
                     "tensors": f.tensors,
+                    **({"parts": f.parts} if f.parts else {}),
                 }
                 for f, off in zip(self.files, self._blob_offsets)
             ],
@@ -328,11 +336,73 @@ def _pack_json(path: str, spec: FileSpec, regions: list[Region], by_storage: dic
     return FilePlan(path, Codec.JSON, blob)
 
 
+def tensor_part_pickle(tensor: torch.Tensor) -> bytes:
+    """``data.pkl`` of ``torch.save(tensor.detach().contiguous())`` when that tensor owns exactly its bytes."""
+    shape = tuple(tensor.shape)
+    stride = torch.empty(shape, dtype=torch.uint8, device="meta").stride()
+    storage_type = _legacy_storage_type(tensor.dtype)
+    numel = tensor.numel()
+    args: tuple[Any, ...] = (_PART_STORAGE, 0, shape, stride, False, OrderedDict())
+    rebuild = torch._utils._rebuild_tensor_v2
+    if storage_type is None:  # fp8 and friends: torch.save's v3 reduction over untyped bytes
+        storage_type, numel = torch.UntypedStorage, numel * tensor.element_size()
+        rebuild = torch._utils._rebuild_tensor_v3
+        args = (*args, tensor.dtype)
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return ("storage", storage_type, "0", "cpu", numel) if obj is _PART_STORAGE else None
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(_Reduced(rebuild, args))
+    return buf.getvalue()
+
+
+class _PartStorage:
+    """Stands for the storage of a part's tensor in its pickle."""
+
+
+_PART_STORAGE = _PartStorage()
+
+
+class _Reduced:
+    __slots__ = ("reduction",)
+
+    def __init__(self, rebuild: Any, args: tuple[Any, ...]) -> None:
+        self.reduction = (rebuild, args)
+
+    def __reduce__(self) -> Any:
+        return self.reduction
+
+
+def _pack_parts(path: str, spec: FileSpec, regions: list[Region], by_storage: dict[int, int]) -> FilePlan:
+    if not isinstance(spec.obj, (list, tuple)):
+        raise ValueError(f"{path}: the parts codec takes a list of bytes and tensors, got {type(spec.obj).__name__}")
+    plan = FilePlan(path, Codec.PARTS, b"")
+    blob = bytearray()
+    for part in spec.obj:
+        start = len(blob)
+        if isinstance(part, torch.Tensor):
+            if part.layout is not torch.strided or part.is_quantized:
+                raise ValueError(f"{path}: a part must be a dense tensor, got {part.layout}; use .to_dense() first")
+            blob += tensor_part_pickle(part)
+            plan.parts.append([start, len(blob), len(regions)])
+            regions.append(Region(part.detach(), part.numel() * part.element_size()))
+        elif isinstance(part, (bytes, bytearray, memoryview)):
+            blob += part
+            plan.parts.append([start, len(blob), -1])
+        else:
+            raise ValueError(f"{path}: a part must be bytes or a tensor, got {type(part).__name__}")
+    plan.blob = bytes(blob)
+    return plan
+
+
 _PACKERS = {
     Codec.TORCH: _pack_torch,
     Codec.SAFETENSORS: _pack_safetensors,
     Codec.BYTES: _pack_bytes,
     Codec.JSON: _pack_json,
+    Codec.PARTS: _pack_parts,
 }
 
 

@@ -1,0 +1,615 @@
+"""Flash checkpoints in the format of ``torch.distributed.checkpoint`` (DCP), for sharded state.
+
+```python
+from flashckpt_integrations import Checkpointer
+from flashckpt_integrations.adapters import dcp as flash_dcp
+
+ck = Checkpointer("ckpt", flash_dcp.checkpointer_config())
+state = {"model": model, "optimizer": optimizer}          # FSDP2 / DTensor / plain / pipeline stages
+flash_dcp.save(ck, step, state)                            # collective; one memory copy, then returns
+flash_dcp.save(ck, step, state, persist=False)             # memory only
+result = flash_dcp.load(ck, state)                         # newest of: memory snapshot, committed step
+```
+
+Every rank's shard goes into its shared-memory slot in one ``Checkpointer.save``; the node's saver
+writes the stock DCP layout, which ``torch.distributed.checkpoint.load`` reads without this package::
+
+    <root>/step-<N>/__<rank>_0.distcp    the rank's items: raw bytes, then one torch.save file per tensor
+    <root>/step-<N>/.metadata            pickled ``Metadata`` (offsets of every item), written by rank 0
+    <root>/latest                        "<N>": the newest committed step
+    <root>/.flashckpt/steps/<N>/COMMITTED
+
+``step-<N>`` appears (renamed from ``.flashckpt/staging/``) only once every rank's files are durable,
+so a directory with ``.metadata`` is always complete. ``folder`` puts the DCP files in a sub-folder
+of the step directory, so that several DCP checkpoints and other files share one step (as
+accelerate's ``pytorch_model_fsdp_0/`` and ``optimizer_0/``): build each one's files with
+:func:`dcp_files`, merge them, and save them with one ``Checkpointer.save``.
+
+Values of the state may be ``nn.Module`` and ``torch.optim.Optimizer`` (wrapped in
+:class:`ModelState` / :class:`OptimizerState`: FQN-keyed, optimizer state flattened by FQN, as
+``torch.distributed.checkpoint.state_dict`` makes them), other ``Stateful`` objects, or state dicts.
+With pipeline parallelism each rank passes its stage module(s): keys are the original model's FQNs,
+so a checkpoint loads into another pipeline layout.
+
+Loading from memory needs the same number of ranks; items held by another rank's slot (replicated
+values, which DCP saves once) are sent over the process group. Loading from storage reshards freely.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import re
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import CheckpointerConfig
+from ..core import collectives
+from ..core.codecs import decode_from_slot, parts_layout
+from ..core.engine import Checkpointer
+from ..core.layout import Layout
+from ..core.results import SaveResult
+from ..core.state import Codec, FileSpec
+from ..errors import CheckpointNotFoundError, FlashCkptError, LayoutMismatchError, missing_dependency
+
+try:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+    from torch.futures import Future
+except ImportError as exc:  # pragma: no cover - torch built without distributed
+    raise missing_dependency("torch.distributed.checkpoint", "dcp") from exc
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LAYOUT",
+    "ModelState",
+    "OptimizerState",
+    "checkpointer_config",
+    "dcp_files",
+    "load",
+    "resolve_step",
+    "save",
+]
+
+LAYOUT = Layout(step_dir="step-{step}", tracker="latest", staging=True)
+"""``step-<N>/`` with the DCP files, ``latest`` tracker, directory renamed into place at commit."""
+METADATA_FILE = ".metadata"
+DCP_VERSION = "1.0.0"
+"""``Metadata.version`` that ``FileSystemWriter`` of torch 2.13 writes."""
+COLLECTIVE_TIMEOUT_S = 300.0
+"""How long save/load wait for every rank to join before failing (not hanging)."""
+_FILE_RANK = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+def checkpointer_config(**fields: Any) -> CheckpointerConfig:
+    """A :class:`CheckpointerConfig` with the DCP layout (``step-<N>/``, ``latest``, staged)."""
+    return CheckpointerConfig(**{**fields, "layout": LAYOUT})
+
+
+# --- state -----------------------------------------------------------------------------------
+
+
+def _modules(model: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+class ModelState(Stateful):
+    """A model's (or a rank's pipeline stages') state dict keyed by the original model's FQNs."""
+
+    def __init__(self, model: nn.Module | Iterable[nn.Module], options: StateDictOptions | None = None) -> None:
+        self.modules = _modules(model)
+        self.options = options or StateDictOptions()
+        self._keys: list[set[str]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        self._keys = []
+        for module in self.modules:
+            part = get_model_state_dict(module, options=self.options)
+            self._keys.append(set(part))
+            out.update(part)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        keys = self._keys or [set(get_model_state_dict(m, options=self.options)) for m in self.modules]
+        for module, own in zip(self.modules, keys):
+            set_model_state_dict(module, {k: v for k, v in state_dict.items() if k in own}, options=self.options)
+
+
+class OptimizerState(Stateful):
+    """Optimizer state keyed by parameter FQN (``flatten_optimizer_state_dict``), never by index.
+
+    ``model`` and ``optimizer`` may be lists of equal length (one optimizer per pipeline stage).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Iterable[nn.Module],
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        options: StateDictOptions | None = None,
+    ) -> None:
+        self.modules = _modules(model)
+        self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        if len(self.modules) != len(self.optimizers) and len(self.optimizers) != 1:
+            raise ValueError(f"got {len(self.modules)} modules and {len(self.optimizers)} optimizers; pass one "
+                             "optimizer for all modules, or one per module")
+        self.options = options or StateDictOptions(flatten_optimizer_state_dict=True)
+        if not self.options.flatten_optimizer_state_dict and len(self.modules) > 1:
+            raise ValueError("several modules need flatten_optimizer_state_dict=True (param_groups would collide)")
+
+    def _pairs(self) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
+        if len(self.optimizers) == 1 and len(self.modules) > 1:
+            return [(_Stages(self.modules), self.optimizers)]
+        return [(m, [o]) for m, o in zip(self.modules, self.optimizers)]
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for module, optimizers in self._pairs():
+            out.update(get_optimizer_state_dict(module, optimizers, options=self.options))
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for module, optimizers in self._pairs():
+            set_optimizer_state_dict(module, optimizers, state_dict, options=self.options)
+
+
+class _Stages(nn.Module):
+    """Several stage modules seen as one (their FQNs are already the original model's)."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self._stages = modules
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        for module in self._stages:
+            yield from module.named_parameters(*args, **kwargs)
+
+
+def as_stateful(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Wrap ``nn.Module`` values in :class:`ModelState` and optimizers in :class:`OptimizerState`."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of {{name: module, optimizer, Stateful or state dict}}, got "
+                        f"{type(state).__name__}")
+    models = [v for v in state.values() if isinstance(v, nn.Module)]
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            out[name] = ModelState(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            if len(models) != 1:
+                raise ValueError(f"{name!r} is an optimizer but the state holds {len(models)} modules; wrap it as "
+                                 "OptimizerState(model, optimizer) to say which model it optimizes")
+            out[name] = OptimizerState(models[0], value)
+        else:
+            out[name] = value
+    return out
+
+
+# --- saving ----------------------------------------------------------------------------------
+
+
+def _join(folder: str, name: str) -> str:
+    folder = folder.strip("/")
+    return f"{folder}/{name}" if folder else name
+
+
+class _SnapshotWriter(StorageWriter):
+    """A DCP storage writer that lays out each rank's ``.distcp`` file as ``files`` for the core.
+
+    Call order (DCP): reset -> set_up_storage_writer -> prepare_local_plan -> (coordinator)
+    prepare_global_plan -> write_data -> (coordinator) finish. Nothing is copied or written here:
+    ``write_data`` records the rank's items (views of the live tensors) and their offsets in the
+    file, ``finish`` pickles the metadata; ``Checkpointer.save`` then copies the tensors into memory
+    and the saver writes the files.
+    """
+
+    def __init__(self, folder: str = "") -> None:
+        super().__init__()
+        self.folder = folder
+        self.files: dict[str, FileSpec] = {}
+        self.save_id = str(uuid.uuid4())
+        self.rank = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.files = {}
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = kwargs.get("rank") or 0
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        # FileSystemWriter's order within a file: byte items first, then tensors
+        items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        parts: list[Any] = []
+        for item in items:
+            data = planner.resolve_data(item)
+            parts.append(data.getvalue() if isinstance(data, io.BytesIO) else data.detach())
+        results = [
+            WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+            for item, (offset, length) in zip(items, parts_layout(parts))
+        ]
+        self.files[_join(self.folder, name)] = FileSpec(parts, Codec.PARTS)
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        metadata.storage_meta = self.storage_meta()
+        self.files[_join(self.folder, METADATA_FILE)] = FileSpec(pickle.dumps(metadata), Codec.BYTES)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.folder or None, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+
+def dcp_files(
+    state: Mapping[str, Any],
+    *,
+    folder: str = "",
+    process_group: Any = None,
+    planner: Any = None,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> dict[str, FileSpec]:
+    """This rank's files of a DCP checkpoint of ``state``, to pass to ``Checkpointer.save(files=...)``.
+
+    Collective (every rank of ``process_group`` calls it). The files hold views of the live
+    tensors: save them before the state changes.
+    """
+    _check_in("dcp_files", process_group, timeout_s)
+    writer = _SnapshotWriter(folder)
+    dcp.save(as_stateful(state), storage_writer=writer, planner=planner, process_group=process_group)
+    return writer.files
+
+
+def save(
+    checkpointer: Checkpointer,
+    step: int,
+    state: Mapping[str, Any],
+    *,
+    persist: bool = True,
+    folder: str = "",
+    planner: Any = None,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> SaveResult:
+    """Snapshot ``state`` as a DCP checkpoint of ``step`` (collective); see the module doc."""
+    started = time.perf_counter()
+    files = dcp_files(state, folder=folder, process_group=checkpointer.process_group, planner=planner,
+                      timeout_s=timeout_s)
+    result = checkpointer.save(step, files=files, persist=persist)
+    result.blocking_s = time.perf_counter() - started
+    return result
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DcpLoadResult:
+    step: int
+    source: str
+    """``"memory"`` or ``"storage"``."""
+
+
+def resolve_step(checkpointer: Checkpointer, step: int | None = None, *,
+                 prefer_memory: bool = True) -> tuple[int, str] | None:
+    """The step and source (``"memory"`` / ``"storage"``) a load would use (collective).
+
+    Memory when every rank holds a complete snapshot of the step and it is at least as new as the
+    newest commit; else the newest (or the given) committed step; ``None`` when there is none.
+    """
+    ck = checkpointer
+    memory = ck.memory_steps() if prefer_memory else []
+    committed = ck.committed_steps()
+    views = collectives.all_gather_object([memory, committed], ck.world_size, ck.process_group)
+    in_memory = set.intersection(*(set(v[0]) for v in views))
+    committed = views[0][1]
+    if step is None:
+        newest = committed[-1] if committed else None
+        eligible = [s for s in in_memory if newest is None or s >= newest]
+        if eligible:
+            return max(eligible), "memory"
+        return (newest, "storage") if newest is not None else None
+    if step in in_memory:
+        return step, "memory"
+    if step in committed:
+        return step, "storage"
+    raise CheckpointNotFoundError(f"step {step} is neither held in memory by every rank nor committed in "
+                                  f"{ck.url}; committed steps: {committed}")
+
+
+def load(
+    checkpointer: Checkpointer,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    folder: str = "",
+    prefer_memory: bool = True,
+    planner: Any = None,
+    strict: bool = True,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> DcpLoadResult | None:
+    """Load the newest DCP checkpoint (or ``step``) into ``state`` in place (collective).
+
+    ``None`` when there is no checkpoint. With ``strict`` a key of ``state`` missing from the
+    checkpoint, or a tensor of another shape, raises :class:`LayoutMismatchError` listing them all.
+    """
+    ck = checkpointer
+    group = ck.process_group
+    _check_in("load", group, timeout_s)
+    chosen = resolve_step(ck, step, prefer_memory=prefer_memory)
+    if chosen is None:
+        return None
+    step, source = chosen
+    started = time.perf_counter()
+    stateful = as_stateful(state)
+    if source == "memory":
+        reader: StorageReader = _MemoryReader(ck, step, folder)
+    else:
+        reader = _storage_reader(f"{ck.url}/{ck.layout.step_path(step)}" + (f"/{folder.strip('/')}" if folder else ""))
+    _validate(stateful, reader.read_metadata(), strict, group, ck.world_size)
+    if planner is None and not strict:
+        planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
+    dcp.load(stateful, storage_reader=reader, planner=planner, process_group=group)
+    logger.info("[RANK %d] loaded DCP step %d from %s in %.3fs", ck.rank, step, source, time.perf_counter() - started)
+    return DcpLoadResult(step, source)
+
+
+def _storage_reader(path: str) -> StorageReader:
+    if "://" in path:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path)
+    return dcp.FileSystemReader(path)
+
+
+def _validate(state: dict[str, Any], metadata: Metadata, strict: bool, group: Any, world_size: int) -> None:
+    """Compare the flattened target with the checkpoint on every rank; raise everywhere if any rank differs."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+    problems: list[str] = []
+    if strict:
+        flat, _ = flatten_state_dict(_stateful_to_state_dict(state))
+        saved = metadata.state_dict_metadata
+        missing = [k for k in flat if k not in saved]
+        if missing:
+            problems.append(f"missing from the checkpoint: {_some(missing)}")
+        shapes = [
+            f"{key} (checkpoint {tuple(saved[key].size)}, target {tuple(value.shape)})"
+            for key, value in flat.items()
+            if isinstance(value, torch.Tensor) and isinstance(saved.get(key), TensorStorageMetadata)
+            and tuple(value.shape) != tuple(saved[key].size)
+        ]
+        if shapes:
+            problems.append(f"shapes differ: {_some(shapes)}")
+        if problems:
+            prefixes = {k.split(".")[0] for k in flat}
+            unexpected = [k for k in saved if k not in flat and k.split(".")[0] in prefixes]
+            if unexpected:
+                problems.append(f"in the checkpoint but not in the target: {_some(unexpected)}")
+    views = collectives.all_gather_object(problems, world_size, group)
+    by_text: dict[str, list[int]] = {}
+    for rank, rank_problems in enumerate(views):
+        if rank_problems:
+            by_text.setdefault("; ".join(rank_problems), []).append(rank)
+    if by_text:
+        lines = " | ".join(f"ranks {ranks}: {text}" for text, ranks in by_text.items())
+        raise LayoutMismatchError(f"the checkpoint does not match the state it is loaded into ({lines}). Load into a "
+                                  "model of the same architecture, or pass strict=False to load the matching keys only")
+
+
+def _some(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+class _MemoryReader(StorageReader):
+    """A DCP storage reader over the ranks' shared-memory snapshots of one step.
+
+    Each rank reads the items of its own ``.distcp`` parts straight from its slot (no copy until
+    the planner's target); items in other ranks' files are sent by their owners (one broadcast
+    per owner) inside ``read_data``, which DCP calls on every rank.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, step: int, folder: str) -> None:
+        super().__init__()
+        self.ck = checkpointer
+        self.folder = folder
+        snapshot = checkpointer._memory_snapshots().get(step)
+        if snapshot is None:
+            raise CheckpointNotFoundError(f"rank {checkpointer.rank} no longer holds step {step} in memory")
+        slot, meta = snapshot
+        prefix = _join(folder, "")
+        self.parts: dict[str, dict[int, Any]] = {}
+        raw_metadata = None
+        for fmeta in meta["files"]:
+            path = fmeta["path"]
+            if not path.startswith(prefix) or "/" in path[len(prefix):]:
+                continue
+            name = path[len(prefix):]
+            if name == METADATA_FILE:
+                raw_metadata = decode_from_slot(slot, meta["regions"], fmeta)
+            elif fmeta["codec"] == Codec.PARTS.value:
+                parts = decode_from_slot(slot, meta["regions"], fmeta, copy=False)
+                self.parts[name] = {offset: part for part, (offset, _) in zip(parts, parts_layout(parts))}
+        raw_metadata = _broadcast_bytes(raw_metadata, checkpointer)
+        if raw_metadata is None:
+            raise CheckpointNotFoundError(f"the memory snapshot of step {step} holds no {_join(folder, METADATA_FILE)}")
+        self.metadata: Metadata = pickle.loads(raw_metadata)
+        self.storage_data: dict[Any, Any] = self.metadata.storage_data
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        received = self._exchange(plan)
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            key = (info.relative_path, info.offset)
+            part = received[key] if key in received else self.parts[info.relative_path][info.offset]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(bytes(part)))
+                continue
+            if not isinstance(part, torch.Tensor):
+                part = torch.load(io.BytesIO(part), map_location="cpu", weights_only=True)
+            tensor = narrow_tensor_by_index(part, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise LayoutMismatchError(f"{req.storage_index.fqn}: checkpoint chunk {tuple(tensor.size())}, "
+                                          f"target {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _exchange(self, plan: Any) -> dict[tuple[str, int], bytes]:
+        """Fetch the items this rank needs from other ranks' slots (collective)."""
+        wanted = sorted({
+            (info.relative_path, info.offset, info.length)
+            for info in (self.storage_data[req.storage_index] for req in plan.items)
+            if info.relative_path not in self.parts
+        })
+        requests = collectives.all_gather_object(wanted, self.ck.world_size, self.ck.process_group)
+        by_owner: dict[int, list[tuple[str, int, int]]] = {}
+        for path, offset, length in sorted({tuple(r) for rank_requests in requests for r in rank_requests}):
+            match = _FILE_RANK.search(path)
+            if match is None:
+                raise FlashCkptError(f"cannot tell which rank wrote {path!r}; load from storage (prefer_memory=False)")
+            by_owner.setdefault(int(match.group(1)), []).append((path, offset, length))
+        received: dict[tuple[str, int], bytes] = {}
+        mine = set((p, o) for p, o, _ in wanted)
+        for owner in range(self.ck.world_size):
+            items = by_owner.get(owner)
+            if not items:
+                continue
+            payload = self._encode(items) if owner == self.ck.rank else None
+            data = _broadcast_bytes(payload, self.ck, src=owner)
+            position = 0
+            for path, offset, length in items:
+                if (path, offset) in mine:
+                    received[(path, offset)] = data[position:position + length]
+                position += length
+        return received
+
+    def _encode(self, items: list[tuple[str, int, int]]) -> bytes:
+        out = io.BytesIO()
+        for path, offset, length in items:
+            part = self.parts[path][offset]
+            start = out.tell()
+            if isinstance(part, torch.Tensor):
+                torch.save(part, out)
+            else:
+                out.write(part)
+            if out.tell() - start != length:
+                raise FlashCkptError(f"{path}@{offset}: item is {out.tell() - start} bytes in memory, "
+                                     f"{length} in the metadata; load from storage (prefer_memory=False)")
+        return out.getvalue()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+
+# --- collectives -----------------------------------------------------------------------------
+
+
+def _broadcast_bytes(data: bytes | None, ck: Checkpointer, src: int = 0) -> bytes | None:
+    """``data`` of rank ``src`` (group rank) on every rank; ``None`` travels as ``None``."""
+    if ck.world_size == 1 or not dist.is_initialized():
+        return data
+    group = ck.process_group
+    device = collectives._collective_device(group)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, global_src, group=group)
+    n = int(size.item())
+    if n < 0:
+        return None
+    if ck.rank == src:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        buffer = buffer.to(device)
+    else:
+        buffer = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, global_src, group=group)
+    if ck.rank == src:
+        return data
+    buffer = buffer.cpu()
+    return ctypes.string_at(buffer.data_ptr(), n) if n else b""
+
+
+_calls: dict[str, int] = {}
+
+
+def _check_in(op: str, group: Any, timeout_s: float) -> None:
+    """Fail within ``timeout_s`` with the missing ranks, instead of hanging, when not every rank calls ``op``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    key = f"flashckpt/{op}/{'-'.join(map(str, ranks[:4]))}/{len(ranks)}"
+    _calls[key] = _calls.get(key, 0) + 1
+    base = f"{key}/{_calls[key]}"
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{base}/{dist.get_rank()}", b"1")
+    names = [f"{base}/{r}" for r in ranks]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(names):
+        if time.monotonic() > deadline:
+            missing = [r for r, name in zip(ranks, names) if not store.check([name])]
+            raise FlashCkptError(
+                f"{op} is collective but ranks {missing} did not call it within {timeout_s:.0f}s (rank "
+                f"{dist.get_rank()} did). Call it on every rank of the process group, at the same point."
+            )
+        time.sleep(0.005)
+

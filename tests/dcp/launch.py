@@ -1,0 +1,28 @@
+"""Run the DCP test scripts under torchrun and read back what each rank recorded."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.distributed.launch import env, free_port, torchrun_cmd
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = torchrun_cmd(nproc, free_port()) + [os.path.join(HERE, script), *map(str, args)]
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def records(out, world: int = 2) -> list[dict]:
+    result = []
+    for rank in range(world):
+        with open(os.path.join(out, f"rank-{rank}.json")) as f:
+            result.append(json.load(f))
+    return result
