@@ -22,7 +22,9 @@ trainer.train(resume_from_checkpoint=True)             # newest of: memory snaps
   complete snapshot that is at least as new as the newest committed checkpoint: model weights and
   optimizer state come straight from memory, and the small files (``trainer_state.json``, RNG states)
   are laid out in a private folder that the stock resume code reads. Otherwise it resumes from the
-  newest committed checkpoint through the stock code. Data order and RNG continue exactly as with a
+  newest committed checkpoint through the stock code; with no checkpoint at all it starts from
+  scratch (unlike the stock ``Trainer``, which raises), so one command serves first start and
+  restarts. Data order and RNG continue exactly as with a
   stock resume from a checkpoint of the same step. An explicit path resumes from that path (stock).
 * At the end of ``train()`` in-flight persisting is awaited and the shared memory is freed. When
   training raises, the memory is kept for a restart (and in-flight persisting finishes at exit).
@@ -40,7 +42,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -48,22 +49,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..config import CheckpointerConfig
-from ..core import collectives
 from ..core.engine import Checkpointer
 from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..core.retention import RetentionPolicy
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, missing_dependency
+from ._common import files_written_by, newest_memory_step, share_from_rank0, write_byte_files
 
 try:
     import transformers
     from transformers import PreTrainedModel, Trainer, TrainerCallback
     from transformers.trainer_pt_utils import reissue_pt_warnings
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise missing_dependency("transformers", "hf") from exc
@@ -302,18 +302,8 @@ class FlashCkptTrainer(Trainer):
     @staticmethod
     def _flash_small_files(write: Any) -> dict[str, FileSpec]:
         """Let the stock code ``write(directory)`` its small files; return them as byte files."""
-        out = {}
-        with tempfile.TemporaryDirectory(prefix="flashckpt-hf-") as scratch:
-            write(scratch)
-            for root, _, names in os.walk(scratch):
-                for name in names:
-                    path = os.path.join(root, name)
-                    rel = os.path.relpath(path, scratch).replace(os.sep, "/")
-                    if rel in _WEIGHT_FILES:  # dummy weights of state_dict={}; the real ones come from memory
-                        continue
-                    with open(path, "rb") as f:
-                        out[rel] = FileSpec(f.read(), Codec.BYTES)
-        return out
+        # dummy weights of state_dict={} are skipped: the real ones come from memory
+        return files_written_by(write, skip=lambda rel: rel in _WEIGHT_FILES)
 
     def _flash_best_checkpoint(self, step: int, persist: bool) -> str | None:
         """``best_model_checkpoint`` as ``_save_checkpoint`` sets it (the folder exists once committed)."""
@@ -379,24 +369,19 @@ class FlashCkptTrainer(Trainer):
 
     def _flash_resolve_resume(self, ck: Checkpointer) -> str | bool:
         """The checkpoint ``resume_from_checkpoint=True`` means: memory snapshot, else newest commit."""
-        step = _newest_memory_step(ck)
+        step = newest_memory_step(ck)
         if step is not None:
             # The RNG files are byte files (torch.save by the stock code): nothing here needs numpy unpickled.
             files = ck.load(step, map_location="cpu").files
             if ck.world_size > 1:
-                files = _share_from_rank0(files, ck.rank)
+                files = share_from_rank0(files, ck.rank, is_own=lambda name: name.startswith("rng_state"))
             if TRAINER_STATE_NAME not in files:
                 raise FlashCkptError(
                     f"the shared-memory snapshot of step {step} holds no {TRAINER_STATE_NAME}; it was not taken "
                     "by FlashCkptTrainer. Remove it with `flashckpt clean <output_dir>` or pass a checkpoint path."
                 )
-            path = tempfile.mkdtemp(prefix=f"flashckpt-memory-{PREFIX_CHECKPOINT_DIR}-{step}-")
-            for name, obj in files.items():
-                if isinstance(obj, (bytes, bytearray)):  # trainer_state.json, rng_state*.pth, config.json, ...
-                    target = os.path.join(path, name)
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                    with open(target, "wb") as f:
-                        f.write(obj)
+            # trainer_state.json, rng_state*.pth, config.json, ...: read by the stock resume code
+            path = write_byte_files(files, prefix=f"flashckpt-memory-{PREFIX_CHECKPOINT_DIR}-{step}-")
             self._flash_resume = _MemoryResume(step, path, files)
             self.flash_resumed_from = (step, "memory")
             logger.warning("flashckpt: resuming from the shared-memory snapshot of step %d", step)
@@ -406,7 +391,11 @@ class FlashCkptTrainer(Trainer):
             self.flash_resumed_from = (committed[-1], "storage")
             logger.warning("flashckpt: resuming from committed checkpoint %d", committed[-1])
             return os.path.join(self.args.output_dir, ck.layout.step_path(committed[-1]))
-        return True  # nothing of ours: the stock lookup (a checkpoint written by a plain Trainer) or its error
+        if os.path.isdir(self.args.output_dir) and get_last_checkpoint(self.args.output_dir) is not None:
+            return True  # a checkpoint written by a plain Trainer: the stock lookup finds it
+        logger.warning("flashckpt: no snapshot in memory and no checkpoint in %s; training starts from scratch",
+                       self.args.output_dir)
+        return None
 
     def _flash_warn_newer_commits(self, ck: Checkpointer, resume: Any) -> None:
         if not self.args.should_save:
@@ -553,25 +542,3 @@ def _split_into_shards(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, d
         return None
     files = {name: {k: state_dict[k] for k in keys} for name, keys in split.filename_to_tensors.items()}
     return files, {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
-
-
-def _newest_memory_step(ck: Checkpointer) -> int | None:
-    """The step ``ck.load()`` would restore from memory (collective), or None.
-
-    Mirrors the rule of ``Checkpointer.load``: a step held complete by every rank and at least as
-    new as the newest commit; decided without reading anything from storage.
-    """
-    committed = ck.committed_steps()
-    views = collectives.all_gather_object([ck.memory_steps(), committed[-1] if committed else None],
-                                          ck.world_size, ck.process_group)
-    common = set.intersection(*(set(v[0]) for v in views))
-    newest_commit = views[0][1]
-    eligible = [s for s in common if newest_commit is None or s >= newest_commit]
-    return max(eligible) if eligible else None
-
-
-def _share_from_rank0(files: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Give every rank rank 0's replicated files (weights, optimizer, trainer state); keep its own RNG file."""
-    shared = [{k: v for k, v in files.items() if not k.startswith("rng_state")} if rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    return {**shared[0], **{k: v for k, v in files.items() if k.startswith("rng_state")}}

@@ -1,0 +1,354 @@
+"""Flash checkpoints for ``accelerate``: ``save_state`` / ``load_state`` through shared memory.
+
+```python
+from flashckpt_integrations.adapters.accelerate import enable
+
+accelerator = Accelerator(project_config=ProjectConfiguration(project_dir, automatic_checkpoint_naming=True))
+model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+flash = enable(accelerator)            # accelerator.save_state / load_state now go through the core
+accelerator.load_state()               # newest of: memory snapshot, committed checkpoint (no-op if none)
+...
+accelerator.save_state()                       # persisted:   <project_dir>/checkpoints/checkpoint_<N>/
+flash.save_state(step, persist=False)          # memory only: survives a crash of this process
+flash.close()                                  # at the end: waits for persisting, frees the memory
+```
+
+The folders hold exactly what ``Accelerator.save_state`` writes (``model.safetensors``,
+``optimizer.bin``, ``scheduler.bin``, ``sampler.bin``, ``random_states_<rank>.pkl``,
+``custom_checkpoint_<i>.pkl``, ``scaler.pt``), so the stock ``Accelerator.load_state`` reads them.
+A folder appears only once every rank's files are durable (it is staged and renamed at the commit);
+``ProjectConfiguration.total_limit`` is applied by the saver after each commit.
+
+Without ``automatic_checkpoint_naming`` pass ``checkpoint_dir``: checkpoints then go to
+``<checkpoint_dir>/checkpoint_<step>/`` and ``save_state(step)`` names the step. FSDP, DeepSpeed,
+Megatron-LM and XLA accelerators are refused at ``enable()``: their state is sharded and has its own
+adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..config import CheckpointerConfig
+from ..core.engine import Checkpointer
+from ..core.layout import Layout
+from ..core.results import SaveResult, SaveStatus
+from ..core.retention import RetentionPolicy
+from ..core.state import Codec, FileSpec
+from ..errors import FlashCkptError, LayoutMismatchError, missing_dependency
+from ._common import files_written_by, newest_memory_step, share_from_rank0, write_byte_files
+
+try:
+    from accelerate import Accelerator
+    from accelerate.checkpointing import (
+        load_accelerator_state,
+        load_custom_state,
+        save_accelerator_state,
+        save_custom_state,
+    )
+    from accelerate.utils import (
+        MODEL_NAME,
+        OPTIMIZER_NAME,
+        SAFE_MODEL_NAME,
+        SCALER_NAME,
+        SCHEDULER_NAME,
+    )
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+except ImportError as exc:  # pragma: no cover - exercised only without accelerate
+    raise missing_dependency("accelerate", "accelerate") from exc
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AccelerateCheckpointer", "enable"]
+
+CHECKPOINTS_DIR = "checkpoints"
+"""Where ``automatic_checkpoint_naming`` puts checkpoints, under ``project_dir``."""
+STEP_DIR = "checkpoint_{step}"
+_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+
+
+def _numbered(name: str, index: int, ext: str) -> str:
+    """accelerate's names of the ``index``-th model, optimizer or scheduler file."""
+    return f"{name}{'' if index == 0 else f'_{index}'}.{ext}"
+
+
+def _is_rank_file(name: str) -> bool:
+    return name.startswith("random_states_")
+
+
+class AccelerateCheckpointer:
+    """``Accelerator.save_state`` / ``load_state`` through the flash checkpoint core.
+
+    ``checkpoint_dir``: folder of the checkpoints; with ``automatic_checkpoint_naming`` it must be
+    left out (checkpoints go to ``<project_dir>/checkpoints/checkpoint_<N>`` as accelerate names them).
+    ``config``: a :class:`~flashckpt_integrations.CheckpointerConfig` or a dict of its fields; without
+    a retention policy, ``ProjectConfiguration.total_limit`` newest checkpoints are kept.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        checkpoint_dir: str | os.PathLike | None = None,
+        *,
+        config: CheckpointerConfig | Mapping[str, Any] | None = None,
+    ) -> None:
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        if kind in _UNSUPPORTED:
+            raise FlashCkptError(
+                f"accelerate's {kind} state is sharded or engine-managed and this adapter snapshots only "
+                "replicated state; use the stock Accelerator.save_state for it (or the FSDP/DCP and DeepSpeed "
+                "adapters of flashckpt_integrations)")
+        project = accelerator.project_configuration
+        if project.automatic_checkpoint_naming:
+            if checkpoint_dir is not None:
+                raise ValueError("checkpoint_dir is set by ProjectConfiguration(project_dir=...) when "
+                                 "automatic_checkpoint_naming=True; leave checkpoint_dir out")
+            if project.project_dir is None:
+                raise ValueError("automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)")
+            root, step_dir = project.project_dir, f"{CHECKPOINTS_DIR}/{STEP_DIR}"
+        else:
+            if checkpoint_dir is None:
+                raise ValueError("pass checkpoint_dir, or create the Accelerator with "
+                                 "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)")
+            root, step_dir = os.fspath(checkpoint_dir), STEP_DIR
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        if project.save_on_each_node and local < accelerator.num_processes:
+            raise FlashCkptError("save_on_each_node is not supported by the flash accelerate adapter yet; "
+                                 "use shared storage (the default) or the stock save_state")
+        self.accelerator = accelerator
+        self.root = root if "://" in root else os.path.abspath(os.path.expanduser(root))
+        self.layout = Layout(step_dir=step_dir, tracker=None, staging=True)
+        self.checkpointer = Checkpointer(self.root, self._make_config(config, project.total_limit))
+        self.resumed_from: tuple[int, str] | None = None
+        """``(step, "memory" | "storage")`` of the last ``load_state``, or None."""
+
+    def _make_config(self, given: Any, total_limit: int | None) -> CheckpointerConfig:
+        if isinstance(given, CheckpointerConfig):
+            config = dataclasses.replace(given, layout=self.layout)
+        else:
+            config = CheckpointerConfig(**{**dict(given or {}), "layout": self.layout})
+        if not config.retention.enabled and total_limit:
+            config = dataclasses.replace(config, retention=RetentionPolicy(keep_last=total_limit))
+        return config
+
+    def checkpoint_path(self, step: int) -> str:
+        """The folder of ``step``'s checkpoint (it exists once the step is committed)."""
+        return os.path.join(self.root, self.layout.step_path(step))
+
+    # --- saving ----------------------------------------------------------------------------
+
+    def save_state(self, step: int | None = None, *, persist: bool = True,
+                   safe_serialization: bool = True) -> SaveResult:
+        """Snapshot what ``Accelerator.save_state`` writes for ``step``; persist it or keep it in memory.
+
+        Collective: call it on every process. ``step`` defaults to the save iteration of
+        ``automatic_checkpoint_naming`` (which then advances, as with the stock ``save_state``).
+        """
+        acc = self.accelerator
+        project = acc.project_configuration
+        if step is None:
+            if not project.automatic_checkpoint_naming:
+                raise ValueError("save_state() needs the step when automatic_checkpoint_naming is off: "
+                                 "save_state(step)")
+            step = project.iteration
+        files = self._files(step, safe_serialization)
+        result = self.checkpointer.save(step, files=files, persist=persist)
+        if result.status is SaveStatus.FAILED:
+            logger.error("flashckpt: step %d was not saved: %s", step, result.reason)
+        if project.automatic_checkpoint_naming and step >= project.iteration:
+            project.iteration = step + 1
+        return result
+
+    def _files(self, step: int, safe_serialization: bool) -> dict[str, Any]:
+        acc = self.accelerator
+        weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+        files: dict[str, Any] = {}
+        # user hooks see the weights and a folder, as with save_state; what they write there is saved too
+        hooks = list(acc._save_model_state_pre_hook.values())
+        if hooks and acc.is_main_process:
+            files.update(files_written_by(lambda scratch: [hook(acc._models, weights, scratch) for hook in hooks]))
+        elif hooks:
+            files_written_by(lambda scratch: [hook(acc._models, weights, scratch) for hook in hooks])
+        # sampler, dataloader state and this process's RNG states: the stock code's own bytes
+        files.update(files_written_by(lambda scratch: save_accelerator_state(
+            scratch, [], [], [], acc._dataloaders, acc.state.process_index, acc.step, None)))
+        if not acc.is_main_process:
+            return files
+        for i, state in enumerate(weights):
+            if safe_serialization:
+                files[_numbered(SAFE_MODEL_NAME, i, "safetensors")] = FileSpec(
+                    clean_state_dict_for_safetensors(state), Codec.SAFETENSORS, metadata={"format": "pt"})
+            else:
+                files[_numbered(MODEL_NAME, i, "bin")] = FileSpec(state)
+        for i, optimizer in enumerate(acc._optimizers):
+            files[_numbered(OPTIMIZER_NAME, i, "bin")] = FileSpec(optimizer.state_dict())
+        for i, scheduler in enumerate(acc._schedulers):
+            files[_numbered(SCHEDULER_NAME, i, "bin")] = FileSpec(scheduler.state_dict())
+        if acc.scaler is not None:
+            files[SCALER_NAME] = FileSpec(acc.scaler.state_dict())
+        for i, obj in enumerate(acc._custom_objects):
+            files.update(files_written_by(lambda scratch, obj=obj, i=i: save_custom_state(obj, scratch, i)))
+        return files
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def load_state(self, step: int | None = None) -> tuple[int, str] | None:
+        """Restore the newest snapshot (or ``step``): from memory when every process holds it, else storage.
+
+        Collective. Returns ``(step, "memory" | "storage")``, or None when there is no checkpoint.
+        """
+        ck = self.checkpointer
+        memory = newest_memory_step(ck) if step is None else (step if self._held_by_all(step) else None)
+        if memory is None:
+            committed = ck.committed_steps()
+            step = step if step is not None else (committed[-1] if committed else None)
+            if step is None:
+                self.resumed_from = None
+                return None
+            if step not in committed:
+                raise FlashCkptError(f"step {step} is neither committed in {self.root} nor held in memory by "
+                                     f"every process; committed steps: {committed}")
+            self._stock_load(self.checkpoint_path(step))
+            self.resumed_from = (step, "storage")
+        else:
+            self._load_from_memory(memory)
+            self.resumed_from = (memory, "memory")
+        step = self.resumed_from[0]
+        project = self.accelerator.project_configuration
+        if project.automatic_checkpoint_naming:
+            project.iteration = step + 1
+        logger.info("flashckpt: restored step %d from %s", step, self.resumed_from[1])
+        return self.resumed_from
+
+    def _held_by_all(self, step: int) -> bool:
+        from ..core import collectives
+
+        views = collectives.all_gather_object(step in self.checkpointer.memory_steps(),
+                                              self.checkpointer.world_size, self.checkpointer.process_group)
+        return all(views)
+
+    def _stock_load(self, path: str) -> None:
+        stock = getattr(self.accelerator, "_flashckpt_stock_load_state", self.accelerator.load_state)
+        stock(path)
+
+    def _load_from_memory(self, step: int) -> None:
+        acc, ck = self.accelerator, self.checkpointer
+        files = ck.load(step, map_location="cpu").files
+        files = share_from_rank0(files, ck.rank, _is_rank_file)
+        folder = write_byte_files(files, prefix=f"flashckpt-memory-checkpoint_{step}-")
+        try:
+            models = list(acc._models)
+            for hook in acc._load_model_state_pre_hook.values():
+                hook(models, folder)
+            for i, model in enumerate(models):
+                _load_model(model, files, i)
+            for i, optimizer in enumerate(acc._optimizers):
+                optimizer.load_state_dict(files[_numbered(OPTIMIZER_NAME, i, "bin")])
+            for i, scheduler in enumerate(acc._schedulers):
+                scheduler.load_state_dict(files[_numbered(SCHEDULER_NAME, i, "bin")])
+            if acc.scaler is not None:
+                acc.scaler.load_state_dict(files[SCALER_NAME])
+            override = load_accelerator_state(folder, [], [], [], acc._dataloaders, acc.state.process_index, None)
+            if "step" in override:
+                acc.step = override["step"]
+            for i, obj in enumerate(acc._custom_objects):
+                load_custom_state(obj, folder, i)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    # --- lifetime --------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait until every persisting save of this process is committed (or failed)."""
+        return self.checkpointer.wait(timeout)
+
+    def close(self) -> None:
+        """Wait for in-flight persisting, then free the shared memory."""
+        self.checkpointer.close()
+
+
+def _load_model(model: torch.nn.Module, files: Mapping[str, Any], index: int) -> None:
+    state = files.get(_numbered(SAFE_MODEL_NAME, index, "safetensors"))
+    if state is None:
+        state = files.get(_numbered(MODEL_NAME, index, "bin"))
+    if state is None:
+        raise LayoutMismatchError(f"the snapshot holds no weights for model {index}; register the same models "
+                                  "(accelerator.prepare) in the same order as when it was saved")
+    live = model.state_dict()
+    aliases = _aliases(model)
+    missing = [k for k in live if k not in state and k not in aliases]
+    unexpected = [k for k in state if k not in live]
+    shapes = [f"{k}: saved {tuple(state[k].shape)}, model {tuple(live[k].shape)}"
+              for k in state if k in live and tuple(state[k].shape) != tuple(live[k].shape)]
+    if missing or unexpected or shapes:
+        raise LayoutMismatchError(f"model {index} does not match the snapshot: missing keys {missing}, "
+                                  f"unexpected keys {unexpected}, different shapes {shapes}")
+    model.load_state_dict(state, strict=False)
+
+
+def _aliases(model: torch.nn.Module) -> set[str]:
+    """Names of tensors that share storage with an earlier name (dropped from safetensors files)."""
+    seen: set[tuple[int, int]] = set()
+    out = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            out.add(name)
+        seen.add(key)
+    return out
+
+
+_STEP_RE = re.compile(r"checkpoint_(\d+)$")
+
+
+def enable(
+    accelerator: Accelerator,
+    checkpoint_dir: str | os.PathLike | None = None,
+    *,
+    config: CheckpointerConfig | Mapping[str, Any] | None = None,
+) -> AccelerateCheckpointer:
+    """Route ``accelerator.save_state`` / ``load_state`` through an :class:`AccelerateCheckpointer`.
+
+    ``save_state(output_dir=None)`` persists the next automatic checkpoint; ``save_state(path)``
+    accepts the checkpoint's own folder (``.../checkpoint_<N>``). ``load_state()`` restores the
+    newest snapshot (memory or storage) and does nothing when there is none; ``load_state(path)``
+    of a folder of ours restores that step (from memory when held there), any other path is read
+    by the stock code. Returns the checkpointer (for memory-only saves, ``wait`` and ``close``).
+    """
+    flash = AccelerateCheckpointer(accelerator, checkpoint_dir, config=config)
+    stock_load = accelerator.load_state
+    accelerator._flashckpt_stock_load_state = stock_load
+
+    def save_state(output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
+        step = None if output_dir is None else _our_step(flash, output_dir, "save_state")
+        result = flash.save_state(step, safe_serialization=safe_serialization)
+        if not result.ok:
+            raise FlashCkptError(f"save_state of step {result.step} did not happen: {result.reason}")
+        return flash.checkpoint_path(result.step)
+
+    def load_state(input_dir: str | None = None, **kwargs: Any) -> None:
+        if input_dir is not None and _STEP_RE.search(os.path.normpath(os.fspath(input_dir))) is None:
+            return stock_load(input_dir, **kwargs)
+        flash.load_state(None if input_dir is None else _our_step(flash, input_dir, "load_state"))
+
+    accelerator.save_state = save_state
+    accelerator.load_state = load_state
+    return flash
+
+
+def _our_step(flash: AccelerateCheckpointer, path: str | os.PathLike, what: str) -> int:
+    path = os.path.abspath(os.fspath(path))
+    match = _STEP_RE.search(path)
+    step = int(match.group(1)) if match else None
+    if step is None or os.path.normpath(flash.checkpoint_path(step)) != os.path.normpath(path):
+        raise ValueError(f"{what}({path!r}): flash checkpoints live in {flash.checkpoint_path(0)[:-1]}<step>; "
+                         "pass such a folder or nothing")
+    return step

@@ -1,0 +1,251 @@
+"""accelerate: ``save_state``/``load_state`` through the core, and ``accelerate launch`` of the examples."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import ProjectConfiguration  # noqa: E402
+
+from flashckpt_integrations.adapters.accelerate import AccelerateCheckpointer, enable  # noqa: E402
+from flashckpt_integrations.errors import LayoutMismatchError  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(REPO, "examples", "hf")
+CONFIG = os.path.join(EXAMPLES, "two_processes.yaml")
+
+
+class Counter:
+    """A custom object registered with ``register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
+def _setup(project_dir, *, automatic=True, total_limit=None, seed=0):
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        str(project_dir), automatic_checkpoint_naming=automatic, total_limit=total_limit))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, model, optimizer, scheduler, counter
+
+
+def _train(model, optimizer, scheduler, counter, steps):
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        counter.count += 1
+
+
+def _state(model, optimizer):
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for index, state in optimizer.state_dict()["state"].items():
+        out.update({f"opt.{index}.{k}": v.clone() for k, v in state.items()})
+    return out
+
+
+def _assert_equal(a, b):
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_save_state_persists_accelerate_folders_that_stock_load_state_reads(tmp_path):
+    accelerator, model, optimizer, scheduler, counter = _setup(tmp_path / "proj", total_limit=2)
+    flash = enable(accelerator)
+    for _ in range(3):
+        _train(model, optimizer, scheduler, counter, 2)
+        path = accelerator.save_state()  # automatic naming: checkpoint_0, _1, _2
+    flash.wait()
+    expected = _state(model, optimizer)
+    folders = lambda: sorted(os.listdir(tmp_path / "proj" / "checkpoints"))  # noqa: E731
+    assert _wait_for(lambda: folders() == ["checkpoint_1", "checkpoint_2"]), folders()  # total_limit=2, after commit
+    assert path == str(tmp_path / "proj" / "checkpoints" / "checkpoint_2")
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "custom_checkpoint_0.pkl"} <= set(os.listdir(path))
+    flash.close()
+
+    # A fresh process state, stock accelerate (no flash adapter), reads the folder.
+    stock, model2, optimizer2, scheduler2, counter2 = _setup(tmp_path / "other", automatic=False, seed=1)
+    stock.load_state(path)
+    _assert_equal(_state(model2, optimizer2), expected)
+    assert counter2.count == 6 and scheduler2.state_dict() == scheduler.state_dict()
+
+
+def test_load_state_prefers_a_newer_memory_snapshot_and_restores_everything(tmp_path):
+    accelerator, model, optimizer, scheduler, counter = _setup(tmp_path / "proj")
+    flash = AccelerateCheckpointer(accelerator)
+    _train(model, optimizer, scheduler, counter, 2)
+    assert flash.save_state(2).wait().committed
+    _train(model, optimizer, scheduler, counter, 3)
+    assert flash.save_state(5, persist=False).status.value == "in_memory"
+    expected, rng = _state(model, optimizer), torch.get_rng_state()
+    _train(model, optimizer, scheduler, counter, 2)  # progress that a crash would lose
+
+    assert flash.load_state() == (5, "memory")
+    _assert_equal(_state(model, optimizer), expected)
+    assert counter.count == 5 and scheduler.scheduler.last_epoch == 5
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert accelerator.project_configuration.iteration == 6
+    assert flash.save_state(8, persist=False).ok  # the two slots now hold steps 5 and 8
+    assert flash.load_state(2) == (2, "storage")  # an explicit step that only storage holds
+    assert counter.count == 2
+    flash.close()
+
+
+def test_bad_input_is_refused_with_what_to_do(tmp_path):
+    accelerator, model, *_ = _setup(tmp_path / "proj")
+    with pytest.raises(ValueError, match="leave checkpoint_dir out"):
+        AccelerateCheckpointer(accelerator, tmp_path / "elsewhere")
+    flash = enable(accelerator)
+    with pytest.raises(ValueError, match="checkpoint_<step>"):
+        accelerator.save_state(str(tmp_path / "somewhere" / "else"))
+    flash.save_state(1, persist=False)
+    saved = accelerator._models[0]
+    accelerator._models[0] = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with pytest.raises(LayoutMismatchError, match=r"0.weight: saved \(16, 8\), model \(32, 8\)"):
+        flash.load_state(1)
+    accelerator._models[0] = saved
+    accelerator._models.append(torch.nn.Linear(3, 3))
+    with pytest.raises(LayoutMismatchError, match="no weights for model 1"):
+        flash.load_state(1)
+    accelerator._models.pop()
+    flash.close()
+
+    plain, *_ = _setup(tmp_path / "plain", automatic=False)
+    with pytest.raises(ValueError, match="pass checkpoint_dir"):
+        AccelerateCheckpointer(plain)
+    with pytest.raises(ValueError, match="needs the step"):
+        AccelerateCheckpointer(plain, tmp_path / "ck").save_state()
+
+
+# --- accelerate launch, 2 processes ------------------------------------------------------------
+
+
+def _launch(script: str, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict | None]:
+    env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
+           "--main_process_port", str(_free_port()), os.path.join(EXAMPLES, script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{") and '"final_step"' in x]
+    return proc, (lines[-1] if lines else None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_accelerate_launch_trainer_example_crashes_and_resumes_from_memory(tmp_path, private_shm_dir):
+    out = str(tmp_path / "run")
+    steps = ("--max-steps", "14", "--save-steps", "5", "--memory-interval", "3")
+    crashed, _ = _launch("train.py", "--output-dir", out, "--crash-at", "12", *steps)
+    assert crashed.returncode != 0 and '{"crashing_at": 12}' in crashed.stdout, crashed.stdout + crashed.stderr
+    assert _wait_for(lambda: sorted(os.listdir(out)) == [".flashckpt", "checkpoint-10", "checkpoint-5"])
+
+    resumed, summary = _launch("train.py", "--output-dir", out, "--params-out", str(tmp_path / "run.pt"), *steps)
+    logs = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, logs
+    assert summary["world_size"] == 2 and summary["final_step"] == 14, logs
+    assert summary["resumed_from"] == [12, "memory"], logs
+    assert logs.count("resuming from the shared-memory snapshot of step 12") == 2, logs  # both processes
+    assert _wait_for(lambda: sorted(os.listdir(out)) == [".flashckpt", "checkpoint-10", "checkpoint-14"]), logs
+
+    reference, ref = _launch("train.py", "--output-dir", str(tmp_path / "ref"), "--plain",
+                             "--params-out", str(tmp_path / "ref.pt"), *steps)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    assert ref["world_size"] == 2
+    assert summary["params_sha256"] == ref["params_sha256"]
+    _assert_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt"))
+
+
+STOCK_LOAD = """
+import sys, torch
+from accelerate import Accelerator
+from transformers import GPT2Config, GPT2LMHeadModel
+sys.modules["flashckpt_integrations"] = None  # the stock loader alone
+acc = Accelerator(cpu=True)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
+                                   bos_token_id=0, eos_token_id=0))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+model, opt, sched = acc.prepare(model, opt, sched)
+acc.load_state(sys.argv[1])
+torch.save({k: v.clone() for k, v in model.state_dict().items()}, sys.argv[2])
+print(sched.scheduler.last_epoch)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_accelerate_launch_loop_example_crashes_resumes_and_stock_accelerate_loads_it(tmp_path, private_shm_dir):
+    project = str(tmp_path / "run")
+    crashed, _ = _launch("accelerate_loop.py", "--project-dir", project, "--crash-at", "12")
+    assert crashed.returncode != 0 and '{"crashing_at": 12}' in crashed.stdout, crashed.stdout + crashed.stderr
+    assert _wait_for(lambda: sorted(os.listdir(os.path.join(project, "checkpoints"))) ==
+                     ["checkpoint_10", "checkpoint_5"])
+
+    resumed, summary = _launch("accelerate_loop.py", "--project-dir", project,
+                               "--params-out", str(tmp_path / "run.pt"))
+    logs = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, logs
+    assert summary["resumed_from"] == [12, "memory"] and summary["world_size"] == 2, logs
+    assert _wait_for(lambda: sorted(os.listdir(os.path.join(project, "checkpoints"))) ==
+                     ["checkpoint_15", "checkpoint_20"]), logs  # total_limit=2, applied after each commit
+
+    reference, ref = _launch("accelerate_loop.py", "--project-dir", str(tmp_path / "ref"))
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    assert ref["resumed_from"] is None and summary["params_sha256"] == ref["params_sha256"]
+
+    stock = subprocess.run([sys.executable, "-c", STOCK_LOAD, os.path.join(project, "checkpoints", "checkpoint_20"),
+                            str(tmp_path / "stock.pt")], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert stock.returncode == 0, stock.stdout + stock.stderr
+    assert stock.stdout.split()[-1] == "40"  # the scheduler steps once per process and step under accelerate
+    final = torch.load(tmp_path / "run.pt")
+    loaded = torch.load(tmp_path / "stock.pt")
+    _assert_equal({k: loaded[k] for k in final}, final)
+
+
+def test_missing_accelerate_names_the_extra():
+    code = ("import sys; sys.modules['accelerate'] = None\n"
+            "try:\n    import flashckpt_integrations.adapters.accelerate\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert "pip install 'flashckpt-integrations[accelerate]'" in out.stdout, out.stdout + out.stderr
