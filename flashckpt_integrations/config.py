@@ -58,7 +58,11 @@ class CheckpointerConfig:
     """Page-lock slots for device-to-host copies when an accelerator is used."""
 
     def __post_init__(self) -> None:
-        self.on_slot_busy = BusyPolicy(self.on_slot_busy)
+        try:
+            self.on_slot_busy = BusyPolicy(self.on_slot_busy)
+        except ValueError:
+            raise ValueError(f"on_slot_busy={self.on_slot_busy!r} must be one of "
+                             f"{[p.value for p in BusyPolicy]}") from None
         if not isinstance(self.layout, Layout):
             self.layout = Layout(**self.layout)
         if not isinstance(self.retention, RetentionPolicy):

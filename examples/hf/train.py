@@ -157,3 +157,5 @@ def _listdir(path: str) -> list[str]:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # gloo threads left running can abort the interpreter at exit
+        torch.distributed.destroy_process_group()

@@ -141,7 +141,7 @@ class FlashCkptTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._flash_config_arg = flash_config
+        self._flash_config = self._flash_check_options(flash_config, flash_memory_interval)
         self._flash_checkpointer: Checkpointer | None = None
         self._flash_memory_due = False
         self._flash_saved_step: int | None = None
@@ -162,7 +162,7 @@ class FlashCkptTrainer(Trainer):
     def flash_checkpointer(self) -> Checkpointer:
         """The checkpointer of this trainer, created on first use (after the process group exists)."""
         if self._flash_checkpointer is None:
-            self._flash_checkpointer = Checkpointer(self.args.output_dir, self._flash_make_config())
+            self._flash_checkpointer = Checkpointer(self.args.output_dir, self._flash_config)
             if self._flash_checkpointer.config.async_snapshot and self.optimizer is not None:
                 self._flash_checkpointer.attach_optimizer(_torch_optimizer(self.optimizer))
                 self._flash_attached = self.optimizer
@@ -172,14 +172,31 @@ class FlashCkptTrainer(Trainer):
         limit = self.args.save_total_limit
         return limit if limit is not None and limit > 0 else None
 
-    def _flash_make_config(self) -> CheckpointerConfig:
-        """The user's configuration with the Trainer's layout; ``save_total_limit`` unless a retention is set."""
+    def _flash_check_options(self, given: Any, memory_interval: int | None) -> CheckpointerConfig:
+        """The checkpointer's configuration: the user's, with the Trainer's layout and retention.
+
+        Options that cannot work together are refused here, before any training.
+        """
+        if given is not None and not isinstance(given, (CheckpointerConfig, Mapping)):
+            raise TypeError(f"flash_config must be a CheckpointerConfig or a dict of its fields, got {type(given)}")
+        fields = dataclasses.asdict(given) if isinstance(given, CheckpointerConfig) else dict(given or {})
+        if isinstance(given, Mapping) and "layout" in fields:
+            raise ValueError("flash_config must not set 'layout': FlashCkptTrainer writes the Trainer's own "
+                             "checkpoint-N folders. Remove 'layout'.")
+        if memory_interval is not None and self.args.save_only_model:
+            raise ValueError(
+                "flash_memory_interval takes snapshots to resume from after a crash, but save_only_model=True "
+                "leaves the optimizer, scheduler and RNG states out, so a resume would not continue the run. "
+                "Set save_only_model=False, or flash_memory_interval=None.")
         layout = Layout(step_dir=f"{PREFIX_CHECKPOINT_DIR}-{{step}}", tracker=None, staging=True)
-        given = self._flash_config_arg
         if isinstance(given, CheckpointerConfig):
             config = dataclasses.replace(given, layout=layout)
         else:
-            config = CheckpointerConfig(**{**dict(given or {}), "layout": layout})
+            config = CheckpointerConfig(**{**fields, "layout": layout})
+        if config.retention.enabled and self._flash_keep_last() is not None:
+            raise ValueError(
+                f"both save_total_limit={self.args.save_total_limit} and flash_config retention "
+                f"({config.retention}) say which checkpoints to keep. Set only one of them.")
         if not config.retention.enabled:
             config = dataclasses.replace(config, retention=RetentionPolicy(keep_last=self._flash_keep_last()))
         return config

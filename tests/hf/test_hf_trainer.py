@@ -22,6 +22,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainerCallback  # noqa: E402
 from flashckpt_integrations.adapters import hf_trainer  # noqa: E402
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
+from tests.helpers import run_python  # noqa: E402
 from tests.hf.common import assert_bitwise_equal, make_trainer, parameters  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -213,3 +214,66 @@ def test_models_over_the_shard_size_are_split_like_save_pretrained(tmp_path, mon
     resumed = make_trainer(Trainer, str(tmp_path / "resumed"), max_steps=8, save_steps=4)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert_bitwise_equal(parameters(resumed.model), parameters(stock.model))
+
+
+CRASH_DURING_PERSIST = """
+import os, signal, sys, time
+from transformers import TrainerCallback
+from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer
+from tests.helpers import kill_savers
+from tests.hf.common import make_trainer
+
+class CrashDuringPersist(TrainerCallback):
+    # At step 12's save: kill the node's saver while it writes checkpoint-12, then this process.
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 12:
+            staging = os.path.join(args.output_dir, ".flashckpt", "staging", "checkpoint-12")
+            deadline = time.monotonic() + 30
+            while not os.path.isdir(staging) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            kill_savers(trainer.flash_checkpointer.run_dir)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+trainer = make_trainer(FlashCkptTrainer, sys.argv[1], max_steps=16, save_steps=4, args={"save_total_limit": 2},
+                       flash_config={"storage_factory": "tests.helpers:SlowStorage"})
+trainer.add_callback(CrashDuringPersist())
+trainer.train()
+"""
+
+
+def test_a_crash_during_a_save_never_costs_the_newest_committed_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    # each data file of a checkpoint waits 0.2 s before it is written: the kill lands mid-persist
+    crashed = run_python(CRASH_DURING_PERSIST, str(out), env={"FLASHCKPT_TEST_WRITE_DELAY": "0.2"})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+    # The newest committed checkpoint (8) and the one before it survive; 12 never appears half written.
+    assert checkpoints(out) == [4, 8]
+    assert sorted(os.listdir(out / ".flashckpt" / "steps" / "8")) == ["COMMITTED", "rank-0.done"]
+    stock = make_trainer(Trainer, str(out / "stock"), max_steps=16, save_steps=4)
+    stock.train(resume_from_checkpoint=str(out / "checkpoint-8"))  # the plain Trainer resumes from it
+    assert stock.state.global_step == 16
+
+    restarted = make_trainer(FlashCkptTrainer, str(out), max_steps=16, save_steps=4, args={"save_total_limit": 2})
+    restarted.train(resume_from_checkpoint=True)
+    assert restarted.flash_resumed_from == (12, "memory")  # the snapshot of the interrupted save
+    deadline = time.monotonic() + 30  # 12 was never committed: the two newest committed are 8 and 16
+    while checkpoints(out) != [8, 16] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoints(out) == [8, 16]
+    assert_bitwise_equal(parameters(restarted.model), parameters(stock.model))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "args", "error", "match"),
+    [
+        ({"flash_memory_interval": 5}, {"save_only_model": True}, ValueError, "Set save_only_model=False"),
+        ({"flash_config": {"layout": {"step_dir": "x-{step}"}}}, {}, ValueError, "Remove 'layout'"),
+        ({"flash_config": {"retention": {"keep_last": 3}}}, {"save_total_limit": 2}, ValueError, "only one"),
+        ({"flash_config": "fast"}, {}, TypeError, "CheckpointerConfig or a dict"),
+        ({"flash_memory_interval": 0}, {}, ValueError, "positive number of steps"),
+        ({"flash_config": {"on_slot_busy": "drop"}}, {}, ValueError, "on_slot_busy"),
+    ],
+)
+def test_options_that_cannot_work_together_fail_at_construction(tmp_path, kwargs, args, error, match):
+    with pytest.raises(error, match=match):
+        make_trainer(FlashCkptTrainer, str(tmp_path / "run"), max_steps=4, save_steps=2, args=args, **kwargs)

@@ -71,3 +71,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # gloo threads left running can abort the interpreter at exit
+        torch.distributed.destroy_process_group()
