@@ -40,18 +40,18 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import io
+import json
 import logging
 import os
 import pickle
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..config import CheckpointerConfig
 from ..core import collectives
@@ -61,6 +61,7 @@ from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..core.state import Codec, FileSpec
 from ..errors import CheckpointNotFoundError, FlashCkptError, LayoutMismatchError, missing_dependency
+from .pipeline import ModelState, OptimizerState, as_stateful
 
 try:
     import torch.distributed.checkpoint as dcp
@@ -68,14 +69,6 @@ try:
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-    from torch.distributed.checkpoint.stateful import Stateful
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
 except ImportError as exc:  # pragma: no cover - torch built without distributed
@@ -109,105 +102,6 @@ def checkpointer_config(**fields: Any) -> CheckpointerConfig:
     return CheckpointerConfig(**{**fields, "layout": LAYOUT})
 
 
-# --- state -----------------------------------------------------------------------------------
-
-
-def _modules(model: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
-    return [model] if isinstance(model, nn.Module) else list(model)
-
-
-class ModelState(Stateful):
-    """A model's (or a rank's pipeline stages') state dict keyed by the original model's FQNs."""
-
-    def __init__(self, model: nn.Module | Iterable[nn.Module], options: StateDictOptions | None = None) -> None:
-        self.modules = _modules(model)
-        self.options = options or StateDictOptions()
-        self._keys: list[set[str]] = []
-
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        self._keys = []
-        for module in self.modules:
-            part = get_model_state_dict(module, options=self.options)
-            self._keys.append(set(part))
-            out.update(part)
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        keys = self._keys or [set(get_model_state_dict(m, options=self.options)) for m in self.modules]
-        for module, own in zip(self.modules, keys):
-            set_model_state_dict(module, {k: v for k, v in state_dict.items() if k in own}, options=self.options)
-
-
-class OptimizerState(Stateful):
-    """Optimizer state keyed by parameter FQN (``flatten_optimizer_state_dict``), never by index.
-
-    ``model`` and ``optimizer`` may be lists of equal length (one optimizer per pipeline stage).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module | Iterable[nn.Module],
-        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
-        options: StateDictOptions | None = None,
-    ) -> None:
-        self.modules = _modules(model)
-        self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-        if len(self.modules) != len(self.optimizers) and len(self.optimizers) != 1:
-            raise ValueError(f"got {len(self.modules)} modules and {len(self.optimizers)} optimizers; pass one "
-                             "optimizer for all modules, or one per module")
-        self.options = options or StateDictOptions(flatten_optimizer_state_dict=True)
-        if not self.options.flatten_optimizer_state_dict and len(self.modules) > 1:
-            raise ValueError("several modules need flatten_optimizer_state_dict=True (param_groups would collide)")
-
-    def _pairs(self) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
-        if len(self.optimizers) == 1 and len(self.modules) > 1:
-            return [(_Stages(self.modules), self.optimizers)]
-        return [(m, [o]) for m, o in zip(self.modules, self.optimizers)]
-
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for module, optimizers in self._pairs():
-            out.update(get_optimizer_state_dict(module, optimizers, options=self.options))
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for module, optimizers in self._pairs():
-            set_optimizer_state_dict(module, optimizers, state_dict, options=self.options)
-
-
-class _Stages(nn.Module):
-    """Several stage modules seen as one (their FQNs are already the original model's)."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        super().__init__()
-        self._stages = modules
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        for module in self._stages:
-            yield from module.named_parameters(*args, **kwargs)
-
-
-def as_stateful(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Wrap ``nn.Module`` values in :class:`ModelState` and optimizers in :class:`OptimizerState`."""
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a dict of {{name: module, optimizer, Stateful or state dict}}, got "
-                        f"{type(state).__name__}")
-    models = [v for v in state.values() if isinstance(v, nn.Module)]
-    out: dict[str, Any] = {}
-    for name, value in state.items():
-        if isinstance(value, nn.Module):
-            out[name] = ModelState(value)
-        elif isinstance(value, torch.optim.Optimizer):
-            if len(models) != 1:
-                raise ValueError(f"{name!r} is an optimizer but the state holds {len(models)} modules; wrap it as "
-                                 "OptimizerState(model, optimizer) to say which model it optimizes")
-            out[name] = OptimizerState(models[0], value)
-        else:
-            out[name] = value
-    return out
-
-
 # --- saving ----------------------------------------------------------------------------------
 
 
@@ -232,6 +126,9 @@ class _SnapshotWriter(StorageWriter):
         self.files: dict[str, FileSpec] = {}
         self.save_id = str(uuid.uuid4())
         self.rank = 0
+        self.items: list[Any] = []
+        self.name = ""
+        self.layout: list[tuple[int, int]] = []
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.files = {}
@@ -260,6 +157,7 @@ class _SnapshotWriter(StorageWriter):
             for item, (offset, length) in zip(items, parts_layout(parts))
         ]
         self.files[_join(self.folder, name)] = FileSpec(parts, Codec.PARTS)
+        self.items, self.name, self.layout = items, name, parts_layout(parts)
         future: Future = Future()
         future.set_result(results)
         return future
@@ -278,6 +176,21 @@ class _SnapshotWriter(StorageWriter):
         return False
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What the last full DCP save of a folder decided, reused while nothing about the state changes."""
+
+    generation: int
+    signature: str
+    items: list[Any]
+    name: str
+    layout: list[tuple[int, int]]
+    metadata: bytes | None
+
+
+_plans: dict[tuple[str, int], _Plan] = {}
+
+
 def dcp_files(
     state: Mapping[str, Any],
     *,
@@ -289,12 +202,65 @@ def dcp_files(
     """This rank's files of a DCP checkpoint of ``state``, to pass to ``Checkpointer.save(files=...)``.
 
     Collective (every rank of ``process_group`` calls it). The files hold views of the live
-    tensors: save them before the state changes.
+    tensors: save them before the state changes. The first call plans the checkpoint with DCP
+    (collectives that gather every rank's plan); later calls whose state has the same structure
+    and item sizes on every rank reuse that plan and its metadata, agreed on in one exchange.
     """
-    _check_in("dcp_files", process_group, timeout_s)
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+    state_dict = _stateful_to_state_dict(as_stateful(state))
+    key = (folder, id(process_group))
+    cached = _plans.get(key) if planner is None else None
+    signature = _signature(state_dict)
+    files = None
+    if cached is not None and cached.signature == signature:
+        files = _files_from_plan(cached, state_dict, folder)
+    votes = _check_in("dcp_files", process_group, timeout_s, vote=[cached.generation if cached else -1,
+                                                                     files is not None])
+    if files is not None and all(v == [cached.generation, True] for v in votes):
+        return files
     writer = _SnapshotWriter(folder)
-    dcp.save(as_stateful(state), storage_writer=writer, planner=planner, process_group=process_group)
+    dcp.save(state_dict, storage_writer=writer, planner=planner or dcp.DefaultSavePlanner(),
+             process_group=process_group)
+    if planner is None:
+        metadata = writer.files.get(_join(folder, METADATA_FILE))
+        _plans[key] = _Plan(max(v[0] for v in votes) + 1, signature, writer.items, writer.name, writer.layout,
+                            metadata.obj if metadata is not None else None)
     return writer.files
+
+
+def _signature(state_dict: dict[str, Any]) -> str:
+    """Keys, types, shapes, dtypes and shard placements of the flattened state (not values)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.tensor import DTensor
+
+    flat, _ = flatten_state_dict(state_dict)
+    parts = []
+    for name, value in flat.items():
+        if isinstance(value, DTensor):
+            parts.append(f"{name}:D:{value.dtype}:{tuple(value.shape)}:{value.placements}:{id(value.device_mesh)}:"
+                         f"{tuple(value.to_local().shape)}")
+        elif isinstance(value, torch.Tensor):
+            parts.append(f"{name}:{type(value).__name__}:{value.dtype}:{tuple(value.shape)}")
+        else:
+            parts.append(f"{name}:{type(value).__name__}")
+    return "\n".join(parts)
+
+
+def _files_from_plan(plan: _Plan, state_dict: dict[str, Any], folder: str) -> dict[str, FileSpec] | None:
+    """The files of ``plan`` over the current values, or None when an item's size changed."""
+    planner = dcp.DefaultSavePlanner()
+    planner.set_up_planner(state_dict, is_coordinator=plan.metadata is not None)
+    parts: list[Any] = []
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        parts.append(data.getvalue() if isinstance(data, io.BytesIO) else data.detach())
+    if parts_layout(parts) != plan.layout:
+        return None
+    files = {_join(folder, plan.name): FileSpec(parts, Codec.PARTS)}
+    if plan.metadata is not None:
+        files[_join(folder, METADATA_FILE)] = FileSpec(plan.metadata, Codec.BYTES)
+    return files
 
 
 def save(
@@ -589,21 +555,23 @@ def _broadcast_bytes(data: bytes | None, ck: Checkpointer, src: int = 0) -> byte
 _calls: dict[str, int] = {}
 
 
-def _check_in(op: str, group: Any, timeout_s: float) -> None:
-    """Fail within ``timeout_s`` with the missing ranks, instead of hanging, when not every rank calls ``op``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+def _check_in(op: str, group: Any, timeout_s: float, vote: Any = None) -> list[Any]:
+    """Every rank's ``vote`` (JSON), in group rank order, through the job's store.
+
+    Fails within ``timeout_s`` naming the missing ranks, instead of hanging, when not every rank
+    calls ``op``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [vote]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     key = f"flashckpt/{op}/{'-'.join(map(str, ranks[:4]))}/{len(ranks)}"
     _calls[key] = _calls.get(key, 0) + 1
     base = f"{key}/{_calls[key]}"
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"{base}/{dist.get_rank()}", b"1")
+    store.set(f"{base}/{dist.get_rank()}", json.dumps(vote))
     names = [f"{base}/{r}" for r in ranks]
     deadline = time.monotonic() + timeout_s
+    delay = 0.0002
     while not store.check(names):
         if time.monotonic() > deadline:
             missing = [r for r, name in zip(ranks, names) if not store.check([name])]
@@ -611,5 +579,6 @@ def _check_in(op: str, group: Any, timeout_s: float) -> None:
                 f"{op} is collective but ranks {missing} did not call it within {timeout_s:.0f}s (rank "
                 f"{dist.get_rank()} did). Call it on every rank of the process group, at the same point."
             )
-        time.sleep(0.005)
-
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
+    return [json.loads(v) for v in store.multi_get(names)]

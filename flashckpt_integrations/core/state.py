@@ -20,8 +20,10 @@ needs the user's classes. Loading a ``torch`` file from memory goes through torc
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
+import math
 import pickle
 import struct
 import warnings
@@ -338,24 +340,32 @@ def _pack_json(path: str, spec: FileSpec, regions: list[Region], by_storage: dic
 
 def tensor_part_pickle(tensor: torch.Tensor) -> bytes:
     """``data.pkl`` of ``torch.save(tensor.detach().contiguous())`` when that tensor owns exactly its bytes."""
-    shape = tuple(tensor.shape)
+    return _part_pickle(tensor.dtype, tuple(tensor.shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     stride = torch.empty(shape, dtype=torch.uint8, device="meta").stride()
-    storage_type = _legacy_storage_type(tensor.dtype)
-    numel = tensor.numel()
+    storage_type = _legacy_storage_type(dtype)
+    numel = math.prod(shape)
     args: tuple[Any, ...] = (_PART_STORAGE, 0, shape, stride, False, OrderedDict())
     rebuild = torch._utils._rebuild_tensor_v2
     if storage_type is None:  # fp8 and friends: torch.save's v3 reduction over untyped bytes
-        storage_type, numel = torch.UntypedStorage, numel * tensor.element_size()
+        storage_type, numel = torch.UntypedStorage, numel * dtype.itemsize
         rebuild = torch._utils._rebuild_tensor_v3
-        args = (*args, tensor.dtype)
-
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            return ("storage", storage_type, "0", "cpu", numel) if obj is _PART_STORAGE else None
-
+        args = (*args, dtype)
     buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(_Reduced(rebuild, args))
+    _PartPickler(buf, ("storage", storage_type, "0", "cpu", numel)).dump(_Reduced(rebuild, args))
     return buf.getvalue()
+
+
+class _PartPickler(pickle.Pickler):
+    def __init__(self, file: Any, storage_id: tuple[Any, ...]) -> None:
+        super().__init__(file, protocol=2)
+        self._storage_id = storage_id
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._storage_id if obj is _PART_STORAGE else None
 
 
 class _PartStorage:
