@@ -56,9 +56,11 @@ from ..errors import FlashCkptError, missing_dependency
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    from deepspeed.runtime.state_dict_factory import MegatronSDLoader, SDLoaderFactory
+    from deepspeed.runtime.state_dict_factory import SDLoaderFactory
 except ImportError as exc:  # pragma: no cover - exercised only without deepspeed
     raise missing_dependency("deepspeed", "deepspeed") from exc
+
+from ._deepspeed_load import broadcast_file, memory_sd_loader  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +400,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         engine = self.engine
         engine._get_all_ckpt_names = self._memory_ckpt_names
         original_factory = SDLoaderFactory.__dict__["get_sd_loader"]
-        SDLoaderFactory.get_sd_loader = staticmethod(_memory_sd_loader)
+        SDLoaderFactory.get_sd_loader = staticmethod(memory_sd_loader)
         try:
             yield tag
         finally:
@@ -436,10 +438,9 @@ class FlashCheckpointEngine(CheckpointEngine):
             holders = [r for r, paths in enumerate(held_sets) if path in paths]
             if not holders:
                 continue  # nobody has it: DeepSpeed reports the missing file
-            box = [own[path] if ck.rank == holders[0] else None]
-            dist.broadcast_object_list(box, src=holders[0], group=self._transfers())
+            obj = broadcast_file(own.get(path), holders[0], ck.rank, self._transfers())
             if path in mine:
-                received[path] = box[0]
+                received[path] = obj
         return received
 
     def _transfers(self) -> Any:
@@ -455,24 +456,6 @@ class FlashCheckpointEngine(CheckpointEngine):
                                         pp_placeholder="0" if engine.load_universal_checkpoint() else None)
         pattern = os.path.abspath(pattern)
         return [p for p in self._listing if fnmatch.fnmatchcase(p, pattern)]
-
-
-class _MemorySDLoader(MegatronSDLoader):
-    """DeepSpeed's model-states loader without its check that the file exists on disk."""
-
-    def load(self, mp_world_size: int, mp_rank: int, *args: Any, **kwargs: Any) -> Any:
-        quantize = kwargs.get("quantize", args[2] if len(args) > 2 else False)
-        if len(self.ckpt_list) != mp_world_size or quantize:
-            return super().load(mp_world_size, mp_rank, *args, **kwargs)
-        path = self.ckpt_list[mp_rank]
-        return path, self.checkpoint_engine.load(path, map_location=lambda storage, loc: storage), (None, 1)
-
-
-def _memory_sd_loader(ckpt_list: list[str], checkpoint_engine: Any, sd_type: str = "Megatron",
-                      version: Any = None) -> Any:
-    if sd_type != "Megatron":
-        raise FlashCkptError(f"{sd_type} checkpoints cannot be loaded from memory")
-    return _MemorySDLoader(ckpt_list, version, checkpoint_engine)
 
 
 # --- switching it on ---------------------------------------------------------------------------
