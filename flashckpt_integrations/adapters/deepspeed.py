@@ -64,7 +64,7 @@ from ._deepspeed_load import broadcast_file, memory_sd_loader  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TAG_FORMAT", "FlashCheckpointEngine", "disable", "enable"]
+__all__ = ["TAG_FORMAT", "FlashCheckpointEngine", "disable", "enable", "ensure_enabled", "load_step", "save_step"]
 
 TAG_FORMAT = "global_step{step}"
 """DeepSpeed's default tag (``save_checkpoint(tag=None)``), which names a step's directory."""
@@ -224,10 +224,13 @@ class FlashCheckpointEngine(CheckpointEngine):
         custom_load_fn: Any = None,
         *,
         prefer_memory: bool = True,
+        memory_files: Mapping[str, Any] | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """``DeepSpeedEngine.load_checkpoint`` from memory when a newer complete snapshot is there.
 
-        Collective: every rank must call it. Returns what DeepSpeed's returns.
+        Collective: every rank must call it. Returns what DeepSpeed's returns. ``memory_files``:
+        this rank's files of the step, already read with ``Checkpointer.load(step, weights_only=False)``
+        by a caller that needs the step's other files too (a trainer), so they are not read twice.
         """
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
@@ -247,7 +250,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         if tag is None and load_abs == self.checkpointer.url:
             tag = self.checkpointer.layout.step_path(step)
         if source == "memory":
-            with self._serving_memory(step, load_dir, tag, kwargs) as tag:
+            with self._serving_memory(step, load_dir, tag, kwargs, memory_files) as tag:
                 out = self._original_load(load_dir, tag, **kwargs)
         else:
             out = self._original_load(load_dir, tag, **kwargs)
@@ -383,14 +386,17 @@ class FlashCheckpointEngine(CheckpointEngine):
         return None if newest_commit is None else (newest_commit, "storage")
 
     @contextlib.contextmanager
-    def _serving_memory(self, step: int, load_dir: str, tag: str | None, kwargs: dict[str, Any]) -> Iterator[str]:
+    def _serving_memory(self, step: int, load_dir: str, tag: str | None, kwargs: dict[str, Any],
+                        files: Mapping[str, Any] | None) -> Iterator[str]:
         """Serve ``step``'s files from memory to DeepSpeed's stock loading code; yields the tag."""
         ck = self.checkpointer
-        result = ck.load(step, map_location="cpu", weights_only=False)
-        if result is None or result.source != "memory":
-            raise FlashCkptError(f"the memory snapshot of step {step} vanished while it was being loaded")
+        if files is None:
+            result = ck.load(step, map_location="cpu", weights_only=False)
+            if result is None or result.source != "memory":
+                raise FlashCkptError(f"the memory snapshot of step {step} vanished while it was being loaded")
+            files = result.files
         step_dir = os.path.join(ck.url, ck.layout.step_path(step))
-        own = {os.path.join(step_dir, rel): obj for rel, obj in result.files.items()}
+        own = {os.path.join(step_dir, rel): obj for rel, obj in files.items()}
         held = collectives.all_gather_object(sorted(own), ck.world_size, self._check_group)
         self._listing = sorted(set().union(*held))
         tag = tag if tag is not None else self._tag_in(step_dir)
@@ -522,6 +528,42 @@ def disable(engine: Any, *, close: bool = True) -> None:
     engine.checkpoint_engine = flash._stock
     if close:
         flash.close()
+
+
+def ensure_enabled(engine: Any, checkpointer: Checkpointer) -> FlashCheckpointEngine:
+    """The flash engine of ``engine`` on ``checkpointer`` (a trainer's), enabled on first use.
+
+    For trainers whose checkpoints hold DeepSpeed's files beside their own: every save is
+    persisted only when the trainer says so. Collective on first use (every rank calls it).
+    """
+    current = engine.checkpoint_engine
+    if isinstance(current, FlashCheckpointEngine):
+        if current.checkpointer is checkpointer:
+            return current
+        disable(engine, close=False)
+    return enable(engine, checkpointer=checkpointer, persist_interval=None)
+
+
+def save_step(engine: Any, checkpointer: Checkpointer, step: int, files: Mapping[str, Any], *,
+              persist: bool, **kwargs: Any) -> SaveResult:
+    """Save ``step`` of a trainer: ``engine.save_checkpoint`` into the step's directory of the
+    checkpointer's layout (``checkpoint-N/global_stepN/...``, ``latest``, ``zero_to_fp32.py``) and the
+    trainer's ``files`` (relative to that directory), as one checkpoint committed together."""
+    ensure_enabled(engine, checkpointer)
+    step_dir = os.path.join(checkpointer.url, checkpointer.layout.step_path(step))
+    return engine.save_checkpoint(step_dir, persist=persist, files=files, **kwargs)
+
+
+def load_step(engine: Any, checkpointer: Checkpointer, step: int, files: Mapping[str, Any] | None = None,
+              **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """Load DeepSpeed's part of ``step`` of a trainer's checkpoint, from memory when every rank holds it.
+
+    ``files``: this rank's files of the step as the trainer read them with
+    ``checkpointer.load(step, weights_only=False)``, served without reading them again.
+    """
+    ensure_enabled(engine, checkpointer)
+    step_dir = os.path.join(checkpointer.url, checkpointer.layout.step_path(step))
+    return engine.load_checkpoint(step_dir, memory_files=files, **kwargs)
 
 
 # --- helpers ---------------------------------------------------------------------------------
