@@ -9,7 +9,7 @@ Phases (``--phase``), each over the ZeRO stages given by ``--stages``, one direc
   step 2 from the saver's files and trains to 5; (c) the flash engine, its memory freed, loads
   step 2 from storage and trains to 5; (d) zero_to_fp32 consolidates step 2. Every final state
   must equal the uninterrupted run's, bit for bit.
-* ``bad``: a non-step tag, a save on rank 0 only.
+* ``bad``: an overlapped (``async_snapshot``) save reloads equal; then a non-step tag, a save on rank 0 only.
 
 Each rank writes ``<out>/rank-<r>.json`` with what it saw.
 """
@@ -119,7 +119,25 @@ def phase_resume(args, stage: int, ckpt: str, rec: dict) -> None:
         out["zero_to_fp32_equal"] = equal({k: consolidated[k] for k in step2}, step2)
 
 
+def check_async_snapshot(stage: int, ckpt: str, rec: dict) -> None:
+    """With async_snapshot the copy overlaps training; the next optimizer step waits for it."""
+    engine = build(stage, seed=0)
+    flash = flash_ds.enable(engine, ckpt, config={"async_snapshot": True})
+    train_to(engine, 2)
+    at_save = full_params(engine)
+    result = engine.save_checkpoint(ckpt)
+    train_to(engine, 4)  # changes the parameters only after the snapshot copy is done
+    committed = flash.wait()
+    flash.close()
+    engine = build(stage, seed=5)
+    flash = flash_ds.enable(engine, ckpt)
+    engine.load_checkpoint(ckpt)
+    rec["async"] = [result.status.value, committed.committed, flash.last_load, equal(full_params(engine), at_save)]
+    flash.close()
+
+
 def phase_bad(args, stage: int, ckpt: str, rec: dict) -> None:
+    check_async_snapshot(stage, ckpt + "-async", rec)
     engine = build(stage, seed=0)
     flash = flash_ds.enable(engine, ckpt, barrier_timeout_s=3)
     train_to(engine, 1)

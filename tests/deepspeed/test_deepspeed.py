@@ -48,17 +48,19 @@ def test_zero_stages_save_kill_and_resume(tmp_path):
                 assert got["zero_to_fp32_equal"], (stage, got)
 
 
-def test_bad_input_fails_clearly(tmp_path):
+def test_async_snapshot_and_bad_input(tmp_path):
     ckpt = tmp_path / "ckpt"
     result = run_worker("bad", ckpt, tmp_path / "out", stages="1")
     assert result.returncode == 0, result.stderr[-5000:]
     recs = records(tmp_path / "out")
     for rec in recs:
+        assert rec["async"] == ["persisting", True, [2, "storage"], True], rec["async"]
         assert "'best' does not name a training step" in rec["tag"] and "global_step" in rec["tag"]
         assert rec["memory_steps"] == []
     assert "was not called by every one of the 2 ranks" in recs[0]["one_rank"]
     assert "Nothing of this step was saved" in recs[0]["one_rank"]
-    assert not ckpt.exists() or not [p for p in ckpt.rglob("*") if p.is_file()]  # no partial checkpoint
+    stage_dir = ckpt / "stage1"
+    assert not stage_dir.exists() or not [p for p in stage_dir.rglob("*") if p.is_file()]  # no partial checkpoint
 
 
 def test_missing_deepspeed_names_the_extra():
