@@ -518,10 +518,12 @@ def enable(
     return flash
 
 
-def disable(engine: Any, *, close: bool = True) -> None:
+def disable(engine: Any, *, close: bool = True, missing_ok: bool = False) -> None:
     """Give ``engine`` back its stock checkpointing; ``close`` also closes the flash engine."""
     flash = engine.checkpoint_engine
     if not isinstance(flash, FlashCheckpointEngine):
+        if missing_ok:
+            return
         raise FlashCkptError("flash checkpoints are not enabled for this engine")
     for name in ("save_checkpoint", "load_checkpoint", "_copy_recovery_script"):
         engine.__dict__.pop(name, None)
