@@ -44,6 +44,7 @@ from . import collectives
 from .client import SaverClient, job_key, run_dir_for
 from .codecs import decode_from_slot, read_file
 from .layout import FAILED, Layout, commit_record, committed_steps, read_json
+from .protocol import SLOTS_FILE
 from .restore import copy_into_target, is_files
 from .results import LoadResult, PersistResult, SaveResult, SaveStatus
 from .shm_buffer import HEADER_SIZE, Slot, SlotState
@@ -98,6 +99,7 @@ class Checkpointer:
         self._lock = threading.RLock()
         self._closed = False
         self._seq = self._newest_seq() + 1
+        self._record_slot_paths()
         self._requester = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-request")
         self._requester.submit(self._connect_quietly)
         for optimizer in optimizers:
@@ -155,14 +157,18 @@ class Checkpointer:
             index, reason = self._choose_slot()
             if index is None:
                 return self._finish(SaveResult(step, SaveStatus.SKIPPED, reason), started)
+            seq = self._seq
+            if persist:  # in the slot too: a saver persists it even if this process dies before asking
+                meta["persist"] = self._persist_request(step, seq, self.slot_paths[index])
             raw_meta = json.dumps(meta, separators=(",", ":")).encode()
             try:
                 slot = self._ensure_slot(index, end + len(raw_meta), pin=on_device(plan))
             except SharedMemoryError as exc:
                 return self._finish(SaveResult(step, SaveStatus.FAILED, str(exc)), started)
-            seq = self._seq
             self._seq += 1
             slot.begin_write(step, seq)
+            if persist:
+                slot.mark_persist_requested(seq)
             for offset, blob in plan.blobs():
                 slot.write_blob(offset, blob)
             durable: Future | None = Future() if persist else None
@@ -358,28 +364,41 @@ class Checkpointer:
         Runs on the request thread, in save order. A saver that dies is restarted and asked
         again once: the slot still holds the snapshot, and rewriting files is idempotent.
         """
-        request = {
-            "op": "persist", "rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq,
-            "slot": slot.path, "root": self.url, "storage_options": self.config.storage_options,
-            "storage_factory": self.config.storage_factory, "layout": self.layout.to_dict(),
-            "retention": self.config.retention.to_dict(), "commit_timeout": self.config.commit_timeout_s,
-        }
+        request = {"op": "persist", **self._persist_request(step, seq, slot.path)}
         answer: dict[str, Any] = {}
         for attempt in range(2):
             try:
                 self._client.connect()
-                slot.mark_persist_requested(seq)
                 answer = self._client.request(request).result()
                 break
             except SaverProcessError as exc:
                 answer = {"ok": False, "error": f"the saver is unavailable: {exc}"}
                 if attempt == 0:
                     logger.warning("[RANK %d] %s; restarting it and retrying step %d", self.rank, exc, step)
+                else:
+                    slot.mark_persist_done(seq)  # given up and reported: no saver should pick it up later
         if not answer.get("ok"):
             error = f"rank {self.rank} could not persist step {step}; it stays in memory only: {answer.get('error')}"
             logger.error("[RANK %d] %s", self.rank, error)
             answer = {"ok": False, "error": error}
         durable.set_result(answer)
+
+    def _persist_request(self, step: int, seq: int, slot_path: str) -> dict[str, Any]:
+        """What the saver needs to persist one snapshot (sent to it, and kept in the slot)."""
+        return {
+            "rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq,
+            "slot": slot_path, "root": self.url, "storage_options": self.config.storage_options,
+            "storage_factory": self.config.storage_factory, "layout": self.layout.to_dict(),
+            "retention": self.config.retention.to_dict(), "commit_timeout": self.config.commit_timeout_s,
+        }
+
+    def _record_slot_paths(self) -> None:
+        """Tell the node's savers, present and future, where this rank's slots are."""
+        path = os.path.join(self.run_dir, SLOTS_FILE.format(rank=self.rank))
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                json.dump({"rank": self.rank, "slots": self.slot_paths}, f)
+            os.replace(path + ".tmp", path)
 
     def _poll_commit(self, step: int, timeout: float | None = None) -> PersistResult:
         """Watch storage until ``step`` is committed or failed (works on every node)."""
@@ -429,7 +448,7 @@ class Checkpointer:
         if pending is not None and not pending.done():
             return True
         slot = self._slot(index)
-        return slot is not None and _locked_by_saver(slot)
+        return slot is not None and (_locked_by_saver(slot) or _persist_outstanding(slot))
 
     def _slot(self, index: int) -> Slot | None:
         """The mapped slot ``index``; remapped when its file was removed or replaced."""
@@ -567,6 +586,16 @@ class _AtExit:
         except Exception as exc:
             logger.error("[RANK %d] in-flight checkpoints did not finish at exit: %s", checkpointer.rank, exc)
         checkpointer._shutdown(clean=False)
+
+
+def _persist_outstanding(slot: Slot) -> bool:
+    """A complete snapshot was to be persisted and no saver has finished it (e.g. its process died)."""
+    try:
+        header = slot.read_header()
+    except CorruptCheckpointError:
+        return False
+    return (header is not None and header.state is SlotState.COMPLETE and header.persist_req == header.seq
+            and header.persist_done < header.persist_req)
 
 
 def _locked_by_saver(slot: Slot) -> bool:

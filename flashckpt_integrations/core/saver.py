@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import glob
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from typing import Any
 
 from .codecs import write_file
 from .layout import COMMITTED, FAILED, Layout, committed_steps, now, read_json, write_json
-from .protocol import LOCK_NAME, SOCKET_NAME
+from .protocol import LOCK_NAME, SLOTS_FILE, SOCKET_NAME
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
 from .storage import Storage, storage_from_url, write_bytes
@@ -77,6 +78,7 @@ class Saver:
         self.pending_lock = threading.Lock()
         self.storages: dict[str, Storage] = {}
         self.slots: dict[str, Slot] = {}
+        self.recovered: set[tuple[str, int]] = set()
         self.storage_lock = threading.Lock()
         self.started = time.monotonic()
 
@@ -86,6 +88,7 @@ class Saver:
         listener.setblocking(False)
         self.selector.register(listener, selectors.EVENT_READ, None)
         logger.info("saver %d serving %s (watching pid %s)", os.getpid(), self.run_dir, self.watch_pid)
+        self.recover()
         while not self._should_exit():
             for key, _ in self.selector.select(timeout=0.5):
                 if key.data is None:
@@ -148,6 +151,53 @@ class Saver:
         conn.sock.close()
         if conn.rank is not None and conn.rank not in self.closed_clean:
             logger.warning("rank %d disconnected without closing (crashed or killed)", conn.rank)
+            self.recover()
+
+    def recover(self) -> None:
+        """Persist the snapshots that a trainer asked to persist but did not live to hand over.
+
+        Each rank records its slot paths in the run directory, and a slot that is to be persisted
+        says so in its header and carries the request in its metadata. A request the saver already
+        has is recognised in ``persist`` (the rank's marker names the same snapshot) and skipped.
+        """
+        for record in glob.glob(os.path.join(self.run_dir, SLOTS_FILE.format(rank="*"))):
+            try:
+                with open(record) as f:
+                    paths = json.load(f)["slots"]
+            except (OSError, ValueError, KeyError):
+                continue
+            for path in paths:
+                request, outstanding = _slot_request(path)
+                if request is None or (path, int(request["seq"])) in self.recovered:
+                    continue
+                if outstanding:
+                    self.recovered.add((path, int(request["seq"])))
+                    logger.warning("rank %s asked to persist step %s and did not see it through; persisting it "
+                                   "now", request.get("rank"), request.get("step"))
+                    self._submit(None, {**request, "op": "persist", "id": None, "recovered": True})
+                elif int(request["rank"]) == 0:  # persisted; the commit may have been cut short
+                    self.recovered.add((path, int(request["seq"])))
+                    with self.pending_lock:
+                        self.pending += 1
+                    self.commit_executor.submit(self._finish_interrupted_commit, request)
+
+    def _finish_interrupted_commit(self, request: dict[str, Any]) -> None:
+        """Commit a step whose rank-0 files are durable but that has neither COMMITTED nor FAILED."""
+        try:
+            layout, step = Layout(**request["layout"]), int(request["step"])
+            storage = self._storage(request)
+            names = set(storage.list(layout.marker_dir(step)))
+            if COMMITTED in names or FAILED in names or "rank-0.done" not in names:
+                return
+            if read_json(storage, layout.rank_marker(step, 0)).get("seq") != int(request["seq"]):
+                return
+            logger.warning("the commit of step %d was interrupted; committing it now", step)
+            self.commit(request)
+        except Exception as exc:
+            logger.error("could not finish the interrupted commit of step %s: %s", request.get("step"), exc)
+        finally:
+            with self.pending_lock:
+                self.pending -= 1
 
     # --- requests --------------------------------------------------------------------------
 
@@ -179,7 +229,7 @@ class Saver:
         else:
             conn.send({"id": rid, "ok": False, "error": f"unknown op {op!r}"})
 
-    def _submit(self, conn: _Connection, request: dict[str, Any]) -> None:
+    def _submit(self, conn: _Connection | None, request: dict[str, Any]) -> None:
         rank = int(request["rank"])
         with self.pending_lock:
             self.pending += 1
@@ -198,16 +248,18 @@ class Saver:
         except Exception as exc:  # the persist that needs it reports any real problem
             logger.debug("could not map slot %s ahead of time: %s", path, exc)
 
-    def _persist_and_reply(self, conn: _Connection, request: dict[str, Any]) -> None:
+    def _persist_and_reply(self, conn: _Connection | None, request: dict[str, Any]) -> None:
+        """Persist for a connected rank (``conn``) or a recovered request (None: nobody to answer)."""
         try:
             reply = {"id": request.get("id"), "ok": True, "error": None}
             try:
-                self.persist(request, lambda: not conn.closed)
+                self.persist(request, lambda: conn is None or not conn.closed)
             except Exception as exc:  # reported to the rank and logged; the saver carries on
                 logger.error("persist of step %s rank %s failed: %s\n%s", request.get("step"),
                              request.get("rank"), exc, traceback.format_exc())
                 reply.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-            conn.send(reply)
+            if conn is not None:
+                conn.send(reply)
             if int(request["rank"]) == 0:
                 with self.pending_lock:
                     self.pending += 1
@@ -264,6 +316,9 @@ class Saver:
         slot = self._slot(request["slot"])
         slot.lock()
         try:
+            if _already_persisted(storage, layout, step, rank, seq, recovered=bool(request.get("recovered"))):
+                slot.mark_persist_done(seq)
+                return
             try:
                 _claim_step(storage, layout, step, rank)
                 metadata = _checked_metadata(slot, step, seq, filling=True)
@@ -281,7 +336,7 @@ class Saver:
                 _wait_until_copied(slot, step, seq, None, alive)  # sealed: every byte was in place
                 _checked_metadata(slot, step, seq)
                 write_json(storage, layout.rank_marker(step, rank), {
-                    "rank": rank, "step": step, "world_size": request["world_size"],
+                    "rank": rank, "step": step, "seq": seq, "world_size": request["world_size"],
                     "files": entries, "time": now(),
                 })
             except Exception as exc:
@@ -361,6 +416,38 @@ class Saver:
                 logger.error("retention could not delete step %d: %s", step, exc)
                 continue
             logger.info("retention deleted step %d in %.2fs", step, time.monotonic() - started)
+
+
+def _slot_request(path: str) -> tuple[dict[str, Any] | None, bool]:
+    """The persist request kept in the complete slot ``path`` (or None), and whether no saver finished it."""
+    try:
+        slot = Slot.attach(path, populate=False)
+    except Exception:
+        return None, False
+    if slot is None:
+        return None, False
+    try:
+        header = slot.read_header()
+        if header is None or header.state is not SlotState.COMPLETE or header.persist_req != header.seq:
+            return None, False
+        return slot.read_metadata(header).get("persist"), header.persist_done < header.persist_req
+    except Exception as exc:
+        logger.warning("could not read slot %s: %s", path, exc)
+        return None, False
+    finally:
+        slot.close()
+
+
+def _already_persisted(storage: Storage, layout: Layout, step: int, rank: int, seq: int, *, recovered: bool) -> bool:
+    """This very snapshot's files are durable already (a recovered request met the original)."""
+    names = set(storage.list(layout.marker_dir(step)))
+    if f"rank-{rank}.done" in names and read_json(storage, layout.rank_marker(step, rank)).get("seq") == seq:
+        logger.info("rank %d step %d (seq %d) was persisted already", rank, step, seq)
+        return True
+    if recovered and COMMITTED in names:
+        logger.info("step %d is committed already; the recovered request of rank %d is dropped", step, rank)
+        return True
+    return False
 
 
 def _claim_step(storage: Storage, layout: Layout, step: int, rank: int) -> None:

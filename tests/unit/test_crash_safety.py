@@ -5,6 +5,7 @@ import signal
 import textwrap
 import time
 
+import pytest
 import torch
 
 from flashckpt_integrations import Checkpointer, SaveStatus
@@ -275,3 +276,73 @@ def test_a_step_whose_first_attempt_failed_can_be_saved_again(make_checkpointer,
     assert ck.save(5, expected(5)).wait(60).committed
     assert ck.committed_steps() == [5]
     assert torch.equal(ck.load(5, prefer_memory=False).state["w"], expected(5)["w"])
+
+
+def _wait_committed(ck, step, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while step not in ck.committed_steps() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ck.committed_steps()
+
+
+def test_a_persist_the_trainer_asked_for_but_never_handed_over_is_still_committed(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    child = CHILD_PRELUDE + textwrap.dedent(
+        """
+        import time
+        ck = Checkpointer(ckpt_dir)
+        ck._requester.submit(time.sleep, 60)  # the request to the saver queues behind this and is never sent
+        r = ck.save(1, state(1), persist=True)
+        assert r.status.value == "persisting", r
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    out = run_python(child, ckpt)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    # The node's saver (found or started by the next process of the job) persists and commits it.
+    with Checkpointer(ckpt) as ck:
+        assert _wait_committed(ck, 1) == [1]
+        loaded = ck.load(prefer_memory=False)
+    assert loaded.source == "storage" and loaded.step == 1
+    for key, value in expected(1).items():
+        assert torch.equal(torch.as_tensor(loaded.state[key]), torch.as_tensor(value))
+    log = open(os.path.join(ck.run_dir, "saver.log")).read()
+    assert "asked to persist step 1 and did not see it through" in log
+
+
+@pytest.mark.parametrize("window", ["write", "commit"])
+def test_saver_and_trainer_killed_mid_persist_the_next_saver_finishes_it(tmp_path, window):
+    # Every data file (and the tracker) waits 1 s before it is written: the kill lands mid-write,
+    # or between the rank's done marker and the commit.
+    ckpt = str(tmp_path / "ckpt")
+    child = CHILD_PRELUDE + textwrap.dedent(
+        """
+        import time
+        from tests.helpers import kill_savers
+        ck = Checkpointer(ckpt_dir, storage_factory="tests.helpers:SlowStorage")
+        ck.save(1, state(1), persist=True)
+        marker = os.path.join(ckpt_dir, ".flashckpt", "steps", "1", "rank-0.done")
+        if sys.argv[2] == "write":
+            while not os.path.exists(os.path.join(ck.run_dir, "saver.sock")):
+                time.sleep(0.01)
+            time.sleep(0.5)
+        else:
+            while not os.path.exists(marker):
+                time.sleep(0.005)
+        kill_savers(ck.run_dir)
+        assert not os.path.exists(os.path.join(ckpt_dir, ".flashckpt", "steps", "1", "COMMITTED"))
+        print("killed with marker" if os.path.exists(marker) else "killed before marker", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    out = run_python(child, ckpt, window, env={"FLASHCKPT_TEST_WRITE_DELAY": "1"})
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    assert out.stdout.strip() == ("killed before marker" if window == "write" else "killed with marker")
+    with Checkpointer(ckpt) as ck:
+        assert _wait_committed(ck, 1) == [1], open(os.path.join(ck.run_dir, "saver.log")).read()
+        loaded = ck.load(prefer_memory=False)
+        log = open(os.path.join(ck.run_dir, "saver.log")).read()
+    for key, value in expected(1).items():
+        assert torch.equal(torch.as_tensor(loaded.state[key]), torch.as_tensor(value))
+    if window == "commit":
+        assert "the commit of step 1 was interrupted; committing it now" in log
