@@ -17,7 +17,8 @@ flash.close()                             # wait for in-flight persisting, free 
   node's saver writes DeepSpeed's own layout, ZeRO stages 0-3: ``global_stepN/mp_rank_00_model_states.pt``
   (ZeRO-3: ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``), ``*_optim_states.pt``, ``zero_to_fp32.py``.
   ``latest`` is written by the committer once every rank's files are durable, so stock DeepSpeed
-  and ``zero_to_fp32`` read what the saver wrote and never see a partial step.
+  and ``zero_to_fp32`` read what the saver wrote and never see a partial step (it always names the
+  newest committed step; ``save_latest`` is not used).
 * Saves whose step is not a multiple of ``persist_interval`` (or called with ``persist=False``)
   stay in memory only: they cost one memory copy and survive the death of the training process.
 * ``engine.load_checkpoint(dir)`` loads the newest step that every rank holds complete in memory
@@ -25,7 +26,8 @@ flash.close()                             # wait for in-flight persisting, free 
   (``flash.last_load`` says which). Files a rank needs but another rank holds (the model states of
   ZeRO 0-2, written by rank 0 only) are sent over the process group.
 * Tags name steps (``global_step<N>``); a save into the checkpoint directory under another tag
-  raises. Saves and loads outside that directory use DeepSpeed's stock engine.
+  raises. Saves and loads outside that directory use DeepSpeed's stock engine. A save that not
+  every rank calls fails after ``barrier_timeout_s`` on the ranks that did, with nothing saved.
 """
 
 from __future__ import annotations
@@ -196,7 +198,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         """
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
-        tag = str(tag) if tag is not None else TAG_FORMAT.format(step=self.engine.global_steps)
+        tag = str(tag) if tag is not None else self.tag_format.format(step=self.engine.global_steps)
         args = (save_dir, tag, dict(client_state or {}), save_latest, exclude_frozen_parameters)
         target = self._target(save_dir, tag)
         if target is None:
@@ -375,7 +377,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         committed = ck.committed_steps()
         memory = ck.memory_steps() if prefer_memory else []
         views = collectives.all_gather_object([memory, committed[-1] if committed else None],
-                                              ck.world_size, self._check_group)
+                                              ck.world_size, ck.process_group)
         common = set.intersection(*(set(v[0]) for v in views))
         newest_commit = views[0][1]
         if step is not None:
@@ -397,11 +399,11 @@ class FlashCheckpointEngine(CheckpointEngine):
             files = result.files
         step_dir = os.path.join(ck.url, ck.layout.step_path(step))
         own = {os.path.join(step_dir, rel): obj for rel, obj in files.items()}
-        held = collectives.all_gather_object(sorted(own), ck.world_size, self._check_group)
+        held = collectives.all_gather_object(sorted(own), ck.world_size, ck.process_group)
         self._listing = sorted(set().union(*held))
         tag = tag if tag is not None else self._tag_in(step_dir)
         needed = [p for p in self._needed_files(load_dir, tag, kwargs) if p not in own]
-        wanted = collectives.all_gather_object(sorted(needed), ck.world_size, self._check_group)
+        wanted = collectives.all_gather_object(sorted(needed), ck.world_size, ck.process_group)
         self._served = {**own, **self._receive(own, held, wanted)}
         engine = self.engine
         engine._get_all_ckpt_names = self._memory_ckpt_names
