@@ -29,9 +29,15 @@ trainer.train(resume_from_checkpoint=True)             # newest of: memory snaps
 * At the end of ``train()`` in-flight persisting is awaited and the shared memory is freed. When
   training raises, the memory is kept for a restart (and in-flight persisting finishes at exit).
 
-Configurations this adapter does not handle yet (DeepSpeed, FSDP, XLA, SageMaker MP, PEFT adapters,
-quantized models, tensor parallelism from ``from_pretrained``, hyperparameter search, ``push_to_hub``,
-``save_on_each_node``) fall back to the stock ``Trainer`` checkpointing, with a warning.
+FSDP (accelerate's, versions 1 and 2): with ``SHARDED_STATE_DICT`` every rank's shard goes into its
+slot and the saver writes the DCP folders ``pytorch_model_fsdp_0/`` and ``optimizer_0/``; with
+``FULL_STATE_DICT`` rank 0 gathers the state and the saver writes ``pytorch_model_fsdp.bin``,
+``optimizer.bin`` and ``model.safetensors``: the files of the stock ``Trainer``, which resumes from them.
+
+Configurations this adapter does not handle yet (DeepSpeed, FSDP on XLA or with ``LOCAL_STATE_DICT``,
+XLA, SageMaker MP, PEFT adapters, quantized models, tensor parallelism from ``from_pretrained``,
+hyperparameter search, ``push_to_hub``, ``save_on_each_node``) fall back to the stock ``Trainer``
+checkpointing, with a warning.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from ..core.results import SaveResult
 from ..core.retention import RetentionPolicy
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, missing_dependency
+from . import _hf_fsdp
 from ._common import files_written_by, newest_memory_step, share_from_rank0, write_byte_files
 
 try:
@@ -204,9 +211,11 @@ class FlashCkptTrainer(Trainer):
     def _flash_unsupported(self) -> str | None:
         """Why the stock checkpointing must be used for this configuration, or None."""
         model = self._flash_unwrapped()
+        fsdp = _hf_fsdp.unsupported(self) if self.is_fsdp_enabled else None  # FSDP: which state_dict_type
         reasons = [
             (self.is_deepspeed_enabled, "DeepSpeed"),
-            (self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False), "FSDP"),
+            (getattr(self, "is_fsdp_xla_enabled", False), "FSDP on XLA"),
+            (fsdp is not None, fsdp),
             (is_torch_xla_available(), "XLA"),
             (is_sagemaker_mp_enabled(), "SageMaker model parallelism"),
             (getattr(self, "is_distributed_loading_by_transformers", False), "tensor parallelism"),
@@ -257,15 +266,10 @@ class FlashCkptTrainer(Trainer):
         step = self.state.global_step
         self.store_flos()
         should_save = self.args.should_save
-        files: dict[str, Any] = {}
-        if should_save:
-            files.update(self._flash_model_files())
-            if persist:  # config, generation config, tokenizer, training args: what Trainer._save writes
-                files.update(self._flash_small_files(self._save_quietly))
+        files: dict[str, Any] = self._flash_state_files(persist)
         best_dir = self._flash_best_checkpoint(step, persist)
         if not self.args.save_only_model:
             if should_save:
-                files[OPTIMIZER_NAME] = FileSpec(self.optimizer.state_dict())
                 with warnings.catch_warnings(record=True) as caught:
                     files[SCHEDULER_NAME] = FileSpec(self.lr_scheduler.state_dict())
                 reissue_pt_warnings(caught)
@@ -282,16 +286,30 @@ class FlashCkptTrainer(Trainer):
         logger.info("flashckpt: step %d %s (training held %.3fs)", step, result.status.value, result.blocking_s)
         return result
 
-    def _flash_model_files(self) -> dict[str, FileSpec]:
-        """The weight files ``save_pretrained`` (or ``Trainer._save``) writes, as views of the live tensors."""
+    def _flash_state_files(self, persist: bool) -> dict[str, FileSpec]:
+        """The model and optimizer files of a snapshot, and with ``persist`` what ``Trainer._save`` writes."""
+        if self.is_fsdp_enabled:  # collective: every rank's shards, or the full state gathered to rank 0
+            return _hf_fsdp.state_files(self, persist)
+        files: dict[str, FileSpec] = {}
+        if self.args.should_save:
+            files.update(self._flash_model_files())
+            if persist:  # config, generation config, tokenizer, training args: what Trainer._save writes
+                files.update(self._flash_small_files(self._save_quietly))
+            if not self.args.save_only_model:
+                files[OPTIMIZER_NAME] = FileSpec(self.optimizer.state_dict())
+        return files
+
+    def _flash_model_files(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, FileSpec]:
+        """The weight files ``save_pretrained`` (or ``Trainer._save``) writes, of ``state_dict`` (a full state
+        dict) or as views of the live tensors."""
         model = self._flash_unwrapped()
         if isinstance(model, PreTrainedModel):
-            state_dict = model.state_dict()
+            state_dict = model.state_dict() if state_dict is None else dict(state_dict)
             for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
                 state_dict.pop(key, None)
             state_dict = _without_tied_weights(state_dict, model)
         else:
-            state_dict = dict(self.model.state_dict())
+            state_dict = dict(self.model.state_dict() if state_dict is None else state_dict)
         if not getattr(self.args, "save_safetensors", True):  # transformers 4.x option
             return {WEIGHTS_NAME: FileSpec(state_dict)}
         metadata = {"format": "pt"}
@@ -388,10 +406,7 @@ class FlashCkptTrainer(Trainer):
         """The checkpoint ``resume_from_checkpoint=True`` means: memory snapshot, else newest commit."""
         step = newest_memory_step(ck)
         if step is not None:
-            # The RNG files are byte files (torch.save by the stock code): nothing here needs numpy unpickled.
-            files = ck.load(step, map_location="cpu").files
-            if ck.world_size > 1:
-                files = share_from_rank0(files, ck.rank, is_own=lambda name: name.startswith("rng_state"))
+            files = self._flash_memory_files(ck, step)
             if TRAINER_STATE_NAME not in files:
                 raise FlashCkptError(
                     f"the shared-memory snapshot of step {step} holds no {TRAINER_STATE_NAME}; it was not taken "
@@ -414,6 +429,16 @@ class FlashCkptTrainer(Trainer):
                        self.args.output_dir)
         return None
 
+    def _flash_memory_files(self, ck: Checkpointer, step: int) -> dict[str, Any]:
+        """The files of the memory snapshot of ``step``; rank 0's on every rank, except each rank's own (collective)."""
+        if self.is_fsdp_enabled:  # the DCP folders stay in the slots until the model and optimizer load them
+            return _hf_fsdp.memory_files(ck, step)
+        # The RNG files are byte files (torch.save by the stock code): nothing here needs numpy unpickled.
+        files = ck.load(step, map_location="cpu").files
+        if ck.world_size > 1:
+            files = share_from_rank0(files, ck.rank, is_own=lambda name: name.startswith("rng_state"))
+        return files
+
     def _flash_warn_newer_commits(self, ck: Checkpointer, resume: Any) -> None:
         if not self.args.should_save:
             return
@@ -431,6 +456,8 @@ class FlashCkptTrainer(Trainer):
         if memory is None or resume_from_checkpoint != memory.path:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = self.model if model is None else model
+        if self.is_fsdp_enabled:  # collective: shards from every rank's slot, or rank 0's full state
+            return _hf_fsdp.load_model(self, model, memory)
         state_dict: dict[str, torch.Tensor] = {}
         for name in list(memory.files):  # popped: the copies are freed once they are in the model
             if name == WEIGHTS_NAME or (name.startswith("model") and name.endswith(".safetensors")):
@@ -446,9 +473,12 @@ class FlashCkptTrainer(Trainer):
         if memory is None or checkpoint != memory.path:
             return super()._load_optimizer_and_scheduler(checkpoint)
         optimizer, scheduler = memory.files.pop(OPTIMIZER_NAME, None), memory.files.pop(SCHEDULER_NAME, None)
-        if optimizer is None or scheduler is None:  # save_only_model: as the stock code, load neither
-            return
-        self.optimizer.load_state_dict(optimizer)
+        if scheduler is None or (optimizer is None and not self.is_fsdp_enabled):
+            return  # save_only_model: as the stock code, load neither
+        if self.is_fsdp_enabled:  # collective: shards from every rank's slot, or rank 0's full state
+            _hf_fsdp.load_optimizer(self, memory)
+        else:
+            self.optimizer.load_state_dict(optimizer)
         with warnings.catch_warnings(record=True) as caught:
             self.lr_scheduler.load_state_dict(scheduler)
         reissue_pt_warnings(caught)
