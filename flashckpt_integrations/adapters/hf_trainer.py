@@ -34,7 +34,11 @@ slot and the saver writes the DCP folders ``pytorch_model_fsdp_0/`` and ``optimi
 ``FULL_STATE_DICT`` rank 0 gathers the state and the saver writes ``pytorch_model_fsdp.bin``,
 ``optimizer.bin`` and ``model.safetensors``: the files of the stock ``Trainer``, which resumes from them.
 
-Configurations this adapter does not handle yet (DeepSpeed, FSDP on XLA or with ``LOCAL_STATE_DICT``,
+DeepSpeed (``TrainingArguments(deepspeed=...)``): the engine's files (``global_stepN/``, ``latest``,
+``zero_to_fp32.py``) come from the flash DeepSpeed engine (:mod:`.deepspeed`) into the same
+``checkpoint-N/`` as the Trainer's own, committed together; a resume goes through that engine.
+
+Configurations this adapter does not handle yet (FSDP on XLA or with ``LOCAL_STATE_DICT``,
 XLA, SageMaker MP, PEFT adapters, quantized models, tensor parallelism from ``from_pretrained``,
 hyperparameter search, ``push_to_hub``, ``save_on_each_node``) fall back to the stock ``Trainer``
 checkpointing, with a warning.
@@ -63,7 +67,7 @@ from ..core.results import SaveResult
 from ..core.retention import RetentionPolicy
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, missing_dependency
-from . import _hf_fsdp
+from . import _hf_deepspeed, _hf_fsdp
 from ._common import files_written_by, newest_memory_step, share_from_rank0, write_byte_files
 
 try:
@@ -170,7 +174,9 @@ class FlashCkptTrainer(Trainer):
         """The checkpointer of this trainer, created on first use (after the process group exists)."""
         if self._flash_checkpointer is None:
             self._flash_checkpointer = Checkpointer(self.args.output_dir, self._flash_config)
-            if self._flash_checkpointer.config.async_snapshot and self.optimizer is not None:
+            # (DeepSpeed: the flash DeepSpeed engine makes its own optimizer wait for an overlapped copy)
+            if self._flash_checkpointer.config.async_snapshot and self.optimizer is not None \
+                    and not self.is_deepspeed_enabled:
                 self._flash_checkpointer.attach_optimizer(_torch_optimizer(self.optimizer))
                 self._flash_attached = self.optimizer
         return self._flash_checkpointer
@@ -213,7 +219,6 @@ class FlashCkptTrainer(Trainer):
         model = self._flash_unwrapped()
         fsdp = _hf_fsdp.unsupported(self) if self.is_fsdp_enabled else None  # FSDP: which state_dict_type
         reasons = [
-            (self.is_deepspeed_enabled, "DeepSpeed"),
             (getattr(self, "is_fsdp_xla_enabled", False), "FSDP on XLA"),
             (fsdp is not None, fsdp),
             (is_torch_xla_available(), "XLA"),
@@ -260,7 +265,7 @@ class FlashCkptTrainer(Trainer):
     def _flash_snapshot(self, persist: bool) -> SaveResult:
         """Snapshot what ``Trainer._save_checkpoint`` would write for this step; persist it or not."""
         ck = self.flash_checkpointer
-        if ck.config.async_snapshot and self._flash_attached is not self.optimizer:
+        if ck.config.async_snapshot and self._flash_attached is not self.optimizer and not self.is_deepspeed_enabled:
             ck.attach_optimizer(_torch_optimizer(self.optimizer))
             self._flash_attached = self.optimizer
         step = self.state.global_step
@@ -269,7 +274,7 @@ class FlashCkptTrainer(Trainer):
         files: dict[str, Any] = self._flash_state_files(persist)
         best_dir = self._flash_best_checkpoint(step, persist)
         if not self.args.save_only_model:
-            if should_save:
+            if should_save and (not self.is_deepspeed_enabled or _hf_deepspeed.saves_scheduler(self)):
                 with warnings.catch_warnings(record=True) as caught:
                     files[SCHEDULER_NAME] = FileSpec(self.lr_scheduler.state_dict())
                 reissue_pt_warnings(caught)
@@ -279,7 +284,10 @@ class FlashCkptTrainer(Trainer):
             files.update(self._flash_small_files(self._save_rng_state))
         if should_save:
             files[TRAINER_STATE_NAME] = FileSpec(self._flash_trainer_state(persist, best_dir), Codec.BYTES)
-        result = ck.save(step, files=files, persist=persist)
+        if self.is_deepspeed_enabled:  # the engine's files and these, committed together
+            result = _hf_deepspeed.save(self, step, files, persist)
+        else:
+            result = ck.save(step, files=files, persist=persist)
         self.flash_last_save = result
         if persist:
             self._flash_saved_step = step
@@ -290,6 +298,8 @@ class FlashCkptTrainer(Trainer):
         """The model and optimizer files of a snapshot, and with ``persist`` what ``Trainer._save`` writes."""
         if self.is_fsdp_enabled:  # collective: every rank's shards, or the full state gathered to rank 0
             return _hf_fsdp.state_files(self, persist)
+        if self.is_deepspeed_enabled:  # the optimizer (and ZeRO model) states come with the engine's files
+            return _hf_deepspeed.state_files(self, persist)
         files: dict[str, FileSpec] = {}
         if self.args.should_save:
             files.update(self._flash_model_files())
@@ -433,11 +443,26 @@ class FlashCkptTrainer(Trainer):
         """The files of the memory snapshot of ``step``; rank 0's on every rank, except each rank's own (collective)."""
         if self.is_fsdp_enabled:  # the DCP folders stay in the slots until the model and optimizer load them
             return _hf_fsdp.memory_files(ck, step)
+        if self.is_deepspeed_enabled:  # DeepSpeed's files hold its objects; its engine shares them itself
+            files = ck.load(step, map_location="cpu", weights_only=False).files
+            return share_from_rank0(files, ck.rank, is_own=lambda name: _hf_deepspeed.is_own_file(name, files))
         # The RNG files are byte files (torch.save by the stock code): nothing here needs numpy unpickled.
         files = ck.load(step, map_location="cpu").files
         if ck.world_size > 1:
             files = share_from_rank0(files, ck.rank, is_own=lambda name: name.startswith("rng_state"))
         return files
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        if not self.is_deepspeed_enabled or self._flash_unsupported() is not None:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # The DeepSpeed engine exists once the stock preparation has run; resume through the flash engine.
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        _hf_deepspeed.enable(self)
+        if resume_from_checkpoint is not None:
+            _hf_deepspeed.resume(self, resume_from_checkpoint, strict=not _is_peft(self.model))
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
+        return model, train_dataloader
 
     def _flash_warn_newer_commits(self, ck: Checkpointer, resume: Any) -> None:
         if not self.args.should_save:
@@ -472,6 +497,8 @@ class FlashCkptTrainer(Trainer):
         memory = self._flash_resume
         if memory is None or checkpoint != memory.path:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if self.is_deepspeed_enabled:
+            return _hf_deepspeed.load_scheduler(self, memory)
         optimizer, scheduler = memory.files.pop(OPTIMIZER_NAME, None), memory.files.pop(SCHEDULER_NAME, None)
         if scheduler is None or (optimizer is None and not self.is_fsdp_enabled):
             return  # save_only_model: as the stock code, load neither
@@ -509,6 +536,8 @@ class FlashCkptTrainer(Trainer):
         self._flash_attached = None
         if ck is None:
             return
+        if self.is_deepspeed_enabled:
+            _hf_deepspeed.finish(self)
         result = ck.wait()
         if result is not None and not result.committed:
             logger.error("flashckpt: the last checkpoint (step %d) was not committed: %s", result.step, result.error)
