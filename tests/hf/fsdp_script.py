@@ -46,6 +46,8 @@ class ForcedFsdp:
                    "auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": "GPT2Block"}
         if self.fsdp_version == 1:  # sync_module_states needs an accelerator device; every rank seeds alike
             options.update(use_orig_params=True, sync_module_states=False)
+            # FSDP1 refuses device_id "cpu:0" (accelerate's CPU device) for modules on "cpu"
+            PartialState._shared_state["device"] = self.accelerator.state.device = torch.device("cpu")
         state = self.accelerator.state
         state.fsdp_plugin = FullyShardedDataParallelPlugin(**options)
         state.distributed_type = DistributedType.FSDP

@@ -155,3 +155,33 @@ def test_full_state_dict_crash_resumes_from_memory_and_stock_resumes_the_saver_c
         for name in ("pytorch_model_fsdp.bin", "optimizer.bin", "scheduler.pt"):
             assert_same_state(torch.load(ours / name, weights_only=True), torch.load(theirs / name, weights_only=True))
     assert os.listdir(private_shm_dir) == []
+
+
+@pytest.mark.distributed
+def test_fsdp1_full_state_dict_crash_resumes_from_memory_bit_exact(tmp_path, private_shm_dir):
+    # FSDP1's full state dict is gathered without CPU offload (the stock save offloads and crashes on CPU), so
+    # the reference is the stock Trainer with FSDP1's sharded checkpoints: the same training.
+    steps = ("--max-steps", "8", "--save-steps", "4", "--memory-interval", "3", "--fsdp-version", "1")
+    reference = subprocess.Popen(_script(tmp_path / "ref", tmp_path / "ref.pt", "--plain", *steps), env=_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    full = ("--state-dict-type", "FULL_STATE_DICT")
+    crashed = subprocess.run(_script(tmp_path / "run", tmp_path / "run.pt", "--kill-at", "6", *steps, *full),
+                             env=_env(), capture_output=True, text=True, timeout=180)
+    assert crashed.returncode != 0 and '{"killing_at": 6}' in crashed.stdout, crashed.stdout + crashed.stderr
+    resumed = subprocess.run(_script(tmp_path / "run", tmp_path / "run.pt", "--resume", *steps, *full),
+                             env=_env(), capture_output=True, text=True, timeout=180)
+    logs = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, logs
+    assert _summary(resumed.stdout) == {"final_step": 8, "resumed_from": [6, "memory"],
+                                        "model": "FullyShardedDataParallel"}, logs
+    out, _ = reference.communicate(timeout=180)
+    assert reference.returncode == 0, out
+    assert_bitwise_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt"))
+    ours = tmp_path / "run" / "checkpoint-8"
+    weights = load_file(ours / "model.safetensors")
+    assert_bitwise_equal(weights, torch.load(tmp_path / "ref.pt"))
+    assert_bitwise_equal(torch.load(ours / "pytorch_model_fsdp.bin", weights_only=True), weights)
+    optimizer = torch.load(ours / "optimizer.bin", weights_only=True)
+    assert set(optimizer["state"]) == set(weights) - {"lm_head.weight"}  # FQN-keyed; the tied head is the embedding
+    assert set(optimizer["state"]["transformer.wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert os.listdir(private_shm_dir) == []
