@@ -1,6 +1,5 @@
 """Run the DCP test scripts under torchrun and read back what each rank recorded."""
 
-import json
 import os
 import subprocess
 import sys
@@ -18,11 +17,3 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> s
 def python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env(), capture_output=True, text=True,
                           timeout=timeout)
-
-
-def records(out, world: int = 2) -> list[dict]:
-    result = []
-    for rank in range(world):
-        with open(os.path.join(out, f"rank-{rank}.json")) as f:
-            result.append(json.load(f))
-    return result

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from tests.dcp.launch import python, records, torchrun
+from tests.dcp.launch import python, torchrun
+from tests.distributed.launch import records
 
 pytestmark = pytest.mark.distributed
 
