@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ..core import collectives
 from ..core.codecs import decode_from_slot
 from ..core.engine import Checkpointer
 from ..core.state import FileSpec
@@ -189,7 +190,7 @@ def load_model(trainer: FlashCkptTrainer, model: Any, memory: _MemoryResume) -> 
             _set_model(trainer, model, state["model"])
         return
     model_sd = memory.files.pop(FULL_MODEL_FILE, None)
-    _require_rank0(ck, model_sd, memory.step, FULL_MODEL_FILE)
+    _require_on_rank0(ck, model_sd, memory.step, FULL_MODEL_FILE)
     _set_full(model, model_sd or {}, None)
 
 
@@ -207,7 +208,7 @@ def load_optimizer(trainer: FlashCkptTrainer, memory: _MemoryResume) -> None:
                 set_optimizer_state_dict(model, trainer.optimizer, state["optimizer"], options=_options(trainer))
         return
     optim_sd = memory.files.pop(FULL_OPTIMIZER_FILE, None)
-    _require_rank0(ck, optim_sd, memory.step, FULL_OPTIMIZER_FILE)
+    _require_on_rank0(ck, optim_sd, memory.step, FULL_OPTIMIZER_FILE)
     _set_full(model, None, (trainer.optimizer, optim_sd or {}))
 
 
@@ -219,10 +220,12 @@ def _set_model(trainer: FlashCkptTrainer, model: Any, state_dict: dict[str, Any]
         set_model_state_dict(model, state_dict, options=options)
 
 
-def _require_rank0(ck: Checkpointer, obj: Any, step: int, name: str) -> None:
-    if ck.rank == 0 and obj is None:
-        raise FlashCkptError(f"the shared-memory snapshot of step {step} holds no {name}; it was taken with another "
-                             "FSDP state_dict_type. Resume with the same fsdp_config, or pass a checkpoint path.")
+def _require_on_rank0(ck: Checkpointer, obj: Any, step: int, name: str) -> None:
+    """Raise on every rank (before any rank enters the scatter) when rank 0's snapshot lacks ``name``."""
+    if not collectives.all_gather_object(obj is not None, ck.world_size, ck.process_group)[0]:
+        raise FlashCkptError(
+            f"the shared-memory snapshot of step {step} holds no {name} (taken with save_only_model or another FSDP "
+            "state_dict_type), so it cannot be resumed from. Pass a checkpoint path to resume_from_checkpoint.")
 
 
 def _set_full(model: Any, model_sd: dict | None, optimizer: tuple[Any, dict] | None) -> None:
