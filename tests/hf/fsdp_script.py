@@ -1,7 +1,8 @@
 """Train the tiny GPT-2 under FSDP with the HF Trainer, under torchrun with 2 gloo ranks (run by test_fsdp.py).
 
     torchrun --nproc-per-node 2 tests/hf/fsdp_script.py --out DIR --result FILE [--plain]
-        [--state-dict-type SHARDED_STATE_DICT|FULL_STATE_DICT] [--kill-at S] [--resume | --resume-from PATH]
+        [--state-dict-type SHARDED_STATE_DICT|FULL_STATE_DICT] [--fsdp-version 1|2] [--flash-config JSON]
+        [--kill-at S] [--resume | --resume-from PATH]
         [--then-stock-resume-from PATH --stock-out DIR --stock-result FILE]
 
 On CPU ``TrainingArguments(fsdp=...)`` silently trains with plain DDP, so the trainers here force
@@ -87,7 +88,8 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
 def train(cls, opts, out: str, resume) -> Trainer:
     cls.state_dict_type, cls.fsdp_version = opts.state_dict_type, opts.fsdp_version
-    extra = {} if cls is StockFsdpTrainer else {"flash_memory_interval": opts.memory_interval}
+    extra = {} if cls is StockFsdpTrainer else {"flash_memory_interval": opts.memory_interval,
+                                                "flash_config": json.loads(opts.flash_config)}
     trainer = make_trainer(cls, out, max_steps=opts.max_steps, save_steps=opts.save_steps, **extra)
     if opts.kill_at is not None and cls is FlashFsdpTrainer:
         trainer.add_callback(KillAfterSnapshot(trainer, opts.kill_at))
@@ -105,6 +107,7 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=4)
     parser.add_argument("--memory-interval", type=int, default=3)
     parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--flash-config", default="{}", help="FlashCkptTrainer's flash_config, as JSON")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--resume-from")
     parser.add_argument("--plain", action="store_true", help="the stock transformers.Trainer")

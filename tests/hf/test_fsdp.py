@@ -79,13 +79,14 @@ def _read_dcp(folder, scratch) -> dict:
     return torch.load(scratch, weights_only=False)
 
 
-def _crash_and_resume(tmp_path, steps: tuple[str, ...], kill_at: int, resume_stock_from: int, committed: list[int]):
+def _crash_and_resume(tmp_path, steps: tuple[str, ...], kill_at: int, resume_stock_from: int, committed: list[int],
+                      crash_options: tuple[str, ...] = ()):
     """Reference (stock), crashed run, restart from memory + stock resume; returns the restart's logs."""
     run, ref = tmp_path / "run", tmp_path / "ref"
     reference = subprocess.Popen(_script(ref, tmp_path / "ref.pt", "--plain", *steps), env=_env(),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    crashed = subprocess.run(_script(run, tmp_path / "run.pt", "--kill-at", str(kill_at), *steps), env=_env(),
-                             capture_output=True, text=True, timeout=180)
+    crashed = subprocess.run(_script(run, tmp_path / "run.pt", "--kill-at", str(kill_at), *steps, *crash_options),
+                             env=_env(), capture_output=True, text=True, timeout=180)
     assert crashed.returncode != 0 and f'{{"killing_at": {kill_at}}}' in crashed.stdout, \
         crashed.stdout + crashed.stderr
     deadline = time.monotonic() + 30  # the saver finishes a commit that was in flight
@@ -115,8 +116,10 @@ def _crash_and_resume(tmp_path, steps: tuple[str, ...], kill_at: int, resume_sto
 def test_sharded_state_dict_crash_resumes_from_memory_and_stock_resumes_the_saver_checkpoint(
         tmp_path, private_shm_dir):
     # 8 steps per epoch: checkpoints every 4 steps, memory snapshots every 3; rank 0 killed after step 9.
+    # Before the crash the copies into memory overlap the next steps (async_snapshot); after it they block.
     steps = ("--max-steps", "12", "--save-steps", "4", "--memory-interval", "3")
-    logs = _crash_and_resume(tmp_path, steps, kill_at=9, resume_stock_from=8, committed=[4, 8])
+    logs = _crash_and_resume(tmp_path, steps, kill_at=9, resume_stock_from=8, committed=[4, 8],
+                             crash_options=("--flash-config", '{"async_snapshot": true}'))
     run, ref = tmp_path / "run", tmp_path / "ref"
     assert checkpoints(run) == checkpoints(ref) == [4, 8, 12], logs  # no checkpoint-9 was ever written
     for step in (8, 12):
