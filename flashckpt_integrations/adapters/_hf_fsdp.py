@@ -124,7 +124,7 @@ def state_files(trainer: FlashCkptTrainer, persist: bool) -> dict[str, FileSpec]
 
 
 def _sharded_files(trainer: FlashCkptTrainer) -> dict[str, FileSpec]:
-    """The two DCP folders, as views of this rank's shards (save_only_model is refused by Trainer here)."""
+    """The two DCP folders of this rank's shards (Trainer refuses save_only_model with sharded state dicts)."""
     model, group = trainer.model, trainer.flash_checkpointer.process_group
     with _context(trainer, model):
         files = flash_dcp.dcp_files({"model": _model_state_dict(trainer, model)}, folder=MODEL_FOLDER,
