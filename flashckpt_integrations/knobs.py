@@ -13,6 +13,8 @@ RUN_DIR = "FLASHCKPT_RUN_DIR"
 SHM_DIR = "FLASHCKPT_SHM_DIR"
 SAVER_LOG_LEVEL = "FLASHCKPT_SAVER_LOG_LEVEL"
 SAVER_IDLE_EXIT = "FLASHCKPT_SAVER_IDLE_EXIT"
+SAVER_NICE = "FLASHCKPT_SAVER_NICE"
+"""Niceness added to the saver (default 10): training keeps the CPU when both want it."""
 
 
 def get(name: str, default: str | None = None) -> str | None:

@@ -92,6 +92,7 @@ class Checkpointer:
         self._persisting: list[Future | None] = [None, None]
         self._client = SaverClient(self.run_dir, self.rank, start_timeout=self.config.saver_start_timeout_s)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-prefault")
         self._snapshot: Future | None = None
         self._pending: list[SaveResult] = []
         self._newest_persist: SaveResult | None = None
@@ -166,6 +167,8 @@ class Checkpointer:
             except SharedMemoryError as exc:
                 return self._finish(SaveResult(step, SaveStatus.FAILED, str(exc)), started)
             self._seq += 1
+            if self._slots[1 - index] is None:  # the other slot is created off the training path
+                self._background.submit(self._prepare_slot, 1 - index, slot.size, on_device(plan))
             slot.begin_write(step, seq)
             if persist:
                 slot.mark_persist_requested(seq)
@@ -405,7 +408,7 @@ class Checkpointer:
         limit = self.config.commit_timeout_s + 30
         deadline = time.monotonic() + (limit if timeout is None else min(timeout, limit))
         marker_dir = Layout.marker_dir(step)
-        delay = 0.005
+        delay, cap = 0.005, (0.25 if "://" in self.url else 0.05)  # a local listing is cheap; an object store's is not
         while time.monotonic() < deadline:
             try:
                 names = set(self.storage.list(marker_dir))
@@ -421,7 +424,7 @@ class Checkpointer:
             except FlashCkptError as exc:
                 logger.warning("[RANK %d] cannot read commit state of step %d: %s", self.rank, step, exc)
             time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+            delay = min(delay * 2, cap)
         if timeout is not None and timeout < limit:
             raise TimeoutError(f"step {step} was not committed within {timeout}s; it may still be")
         return PersistResult(step, False, f"no commit of step {step} appeared within the commit timeout")
@@ -461,6 +464,16 @@ class Checkpointer:
         if slot is None:
             slot = self._slots[index] = Slot.attach(self.slot_paths[index])
         return slot
+
+    def _prepare_slot(self, index: int, nbytes: int, pin: bool) -> None:
+        """Create and pre-fault slot ``index`` in the background, unless a save got there first."""
+        with self._lock:
+            if self._closed or self._slots[index] is not None:
+                return
+            try:
+                self._ensure_slot(index, nbytes, pin=pin)
+            except SharedMemoryError as exc:  # the save that needs it reports it
+                logger.warning("[RANK %d] could not prepare slot %d ahead of time: %s", self.rank, index, exc)
 
     def _ensure_slot(self, index: int, nbytes: int, *, pin: bool) -> Slot:
         slot = self._slot(index)
@@ -560,6 +573,7 @@ class Checkpointer:
         atexit.unregister(self._atexit)
         for hook in self._hooks:
             hook.remove()
+        self._background.shutdown(wait=True, cancel_futures=True)
         self._copier.shutdown(wait=True)
         self._requester.shutdown(wait=True)
         self._client.close(clean=clean)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .. import knobs
 from .codecs import write_file
 from .layout import COMMITTED, FAILED, Layout, committed_steps, now, read_json, write_json
 from .protocol import LOCK_NAME, SLOTS_FILE, SOCKET_NAME
@@ -522,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=os.environ.get("FLASHCKPT_SAVER_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s saver[%(process)d] %(levelname)s %(message)s")
+    # Below the trainers: persisting is background work and must not slow the training steps down.
+    # (Set before any thread starts: threads inherit it.)
+    with contextlib.suppress(OSError, ValueError):
+        os.nice(int(knobs.get(knobs.SAVER_NICE, "10")))
 
     lock_fd = os.open(os.path.join(args.run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
     try:
