@@ -154,6 +154,7 @@ class Checkpointer:
             meta = {
                 "format": 1, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "job": self.job_key, "time": time.time(), "user": dict(metadata or {}), **plan.metadata(),
+                "persist_target": self._persist_target(),  # lets a launcher or the CLI persist it later
             }
             index, reason = self._choose_slot()
             if index is None:
@@ -388,9 +389,13 @@ class Checkpointer:
 
     def _persist_request(self, step: int, seq: int, slot_path: str) -> dict[str, Any]:
         """What the saver needs to persist one snapshot (sent to it, and kept in the slot)."""
+        return {"rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq, "slot": slot_path,
+                **self._persist_target()}
+
+    def _persist_target(self) -> dict[str, Any]:
+        """Where and how this rank's snapshots are persisted; every slot's metadata carries it."""
         return {
-            "rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq,
-            "slot": slot_path, "root": self.url, "storage_options": self.config.storage_options,
+            "root": self.url, "storage_options": self.config.storage_options,
             "storage_factory": self.config.storage_factory, "layout": self.layout.to_dict(),
             "retention": self.config.retention.to_dict(), "commit_timeout": self.config.commit_timeout_s,
         }
