@@ -26,6 +26,17 @@ class SaverProcessError(FlashCkptError):
     """The node's saver process could not be started, reached or kept alive."""
 
 
+class NodeCheckError(FlashCkptError):
+    """The check run before training found failed or slow nodes, or could not run at all.
+
+    ``report`` holds the parsed ``NodeCheckReport`` when the check got as far as writing one.
+    """
+
+    def __init__(self, message: str, report: object | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class LayoutMismatchError(FlashCkptError):
     """Saved state does not match the layout (keys, shapes, parallel sizes) it is loaded into."""
 

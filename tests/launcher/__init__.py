@@ -1,0 +1,1 @@
+"""Tests of the launcher helpers: auto-config and the node check."""
