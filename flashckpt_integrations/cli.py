@@ -3,6 +3,7 @@
     flashckpt ls DIR               committed steps on storage, and steps held in memory per rank
     flashckpt inspect DIR STEP     one committed step: ranks, files, sizes, checksums
     flashckpt clean DIR            remove this host's shared memory of the job that saves to DIR
+    flashckpt persist DIR          persist and commit the newest step this host's ranks hold in memory
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import json
 import os
 import re
 import sys
-from typing import Any
+import threading
+import time
+from typing import IO, Any
 
 from .core.client import job_key
 from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
+from .core.rescue import RescueStatus, job_slots, persist_newest
 from .core.shm_buffer import Slot
 from .core.storage import storage_from_url
 from .errors import FlashCkptError
@@ -108,6 +112,58 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_persist(args: argparse.Namespace) -> int:
+    url = _url(args.dir)
+    slots = job_slots(url, args.job_id, args.shm_dir)
+    if not slots:
+        print(f"no shared memory of the job saving to {url} on this host (looked in {args.shm_dir}"
+              f"{', job id ' + args.job_id if args.job_id else ''}); nothing to persist", file=sys.stderr)
+        return 1
+    bar = _ProgressBar(sys.stderr)
+    try:
+        result = persist_newest(slots, progress=bar, commit_timeout=args.commit_timeout)
+    finally:
+        bar.finish()
+    if args.json:
+        print(json.dumps({"status": result.status.value, "step": result.step, "ranks": result.ranks,
+                          "bytes_written": result.bytes_written, "reason": result.reason}, indent=1))
+    else:
+        print(f"{result.status.value}: {result.reason}" + (
+            f"; {result.bytes_written / 2**20:.1f} MiB written" if result.bytes_written else ""))
+    return 1 if result.status is RescueStatus.FAILED else 0
+
+
+class _ProgressBar:
+    """``persisting [#####-----]  50%  12.0/24.0 MiB`` on one line of ``stream``, redrawn at most
+    ten times a second (called from the writing threads)."""
+
+    WIDTH = 30
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.drawn = False
+        self.last = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self, done: int, total: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            if now - self.last < 0.1 and done < total:
+                return
+            self.last = now
+            filled = self.WIDTH * done // total if total else self.WIDTH
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            self.stream.write(f"\rpersisting [{bar}] {done / max(total, 1):4.0%}  "
+                              f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+            self.stream.flush()
+            self.drawn = True
+
+    def finish(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shm-dir", default="/dev/shm")
@@ -125,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     clean = sub.add_parser("clean", help="remove this host's shared memory of a job")
     clean.add_argument("dir")
     clean.set_defaults(func=cmd_clean)
+    persist = sub.add_parser("persist", help="persist and commit the newest step held in this host's memory")
+    persist.add_argument("dir")
+    persist.add_argument("--commit-timeout", type=float, default=None,
+                         help="seconds to wait for other nodes' ranks (default: the job's commit timeout)")
+    persist.add_argument("--json", action="store_true")
+    persist.set_defaults(func=cmd_persist)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
