@@ -266,10 +266,14 @@ class NodeCheckReport:
 
     def summary(self) -> str:
         if self.ok:
-            return (f"Node check passed on {len(self.ranks)} ranks of {len({r.hostname for r in self.ranks})} "
-                    f"hosts (median compute {self.median_compute_s or 0:.4f} s).")
+            hosts = len({r.hostname for r in self.ranks})
+            return (f"Node check passed on {len(self.ranks)} ranks of {hosts} host{'s' * (hosts != 1)} "
+                    f"(median compute {self.median_compute_s or 0:.4f} s).")
         return (f"Node check found problems on {', '.join(self.bad_hosts())}: " + "; ".join(self.problems()) +
                 ". Drain or fix these nodes and relaunch, or raise the slow factor if the gap is expected.")
+
+    def __str__(self) -> str:
+        return self.summary()
 
     def to_json(self) -> dict[str, Any]:
         return {"version": REPORT_VERSION, "ok": self.ok, "slow_factor": self.slow_factor,

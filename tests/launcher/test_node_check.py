@@ -24,9 +24,9 @@ from flashckpt_integrations.launcher.node_check import (
     select_node_check,
 )
 from tests.distributed.launch import REPO, free_port
-from tests.launcher.node_check_plugins import FAIL_RANK, SLOW_RANK
 
-PLUGINS = "tests.launcher.node_check_plugins"
+PLUGINS = "tests.launcher.node_check_plugins"  # not imported here: importing it registers its check
+SLOW_RANK, FAIL_RANK = "FLASHCKPT_TEST_SLOW_RANK", "FLASHCKPT_TEST_FAIL_RANK"
 HOST = socket.gethostname()
 
 
