@@ -455,8 +455,8 @@ def run_node_check(
     logger.info("Node check took %.1f s.", time.monotonic() - start)
     if report is None:
         raise NodeCheckError(_no_report_message(launch_error)) from launch_error
-    if not report.ok:
-        raise NodeCheckError(report.summary(), report=report)
+    if not report.ok:  # the workers exited 1: launch_error holds their exit codes
+        raise NodeCheckError(report.summary(), report=report) from launch_error
     logger.info("%s", report.summary())
     return report
 
