@@ -226,3 +226,20 @@ def test_launcher_options_leave_the_scripts_own_alone_and_auto_config_fills_the_
     assert (filled.nnodes, filled.nproc_per_node, filled.node_rank) == ("2", "2", 1)  # what is given wins
     assert (filled.master_addr, filled.master_port, filled.checkpoint_dir) == ("10.0.0.1", 29555, "/c")
     assert (filled.training_script, filled.training_script_args) == ("train.py", ["--lr", "1"])
+
+
+def test_flashckpt_run_waits_for_in_flight_persisting_before_it_exits(tmp_path, reaper):
+    from tests.distributed.worker import state as persisted_state
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    os.makedirs(out)
+    worker = [os.path.join(REPO, "tests", "distributed", "worker.py"), "--ckpt", ckpt, "--out", out,
+              "--actions", "save:1:persist", "--storage-factory", "tests.helpers:SlowStorage"]
+    # The ranks ask for a persist and exit at once (no wait, no close); each file takes 2 s to write.
+    rc, output = finish(start(flashckpt_run("--checkpoint-dir", ckpt) + worker, FLASHCKPT_TEST_WRITE_DELAY="2"))
+    assert rc == 0, output[-5000:]
+    assert "flashckpt-run: waiting for in-flight persisting: " in output, output[-5000:]
+    assert committed_steps(LocalStorage(str(ckpt))) == [1]  # committed before the launcher exited
+    for rank in (0, 1):
+        saved = torch.load(ckpt / "step-1" / f"rank-{rank}.pt", weights_only=True)
+        assert torch.equal(saved["w"], persisted_state(1, rank)["w"]) and saved["step"] == 1
