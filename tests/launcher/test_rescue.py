@@ -66,6 +66,21 @@ def test_persists_the_newest_step_every_rank_holds_and_never_a_partial_one(make_
     assert persist_newest({}).status is RescueStatus.NOTHING
 
 
+def test_each_node_persists_its_ranks_and_rank_0s_node_commits(make_checkpointer, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for ck in two_ranks(make_checkpointer, ckpt):
+        assert ck.save(4, state(4, ck.rank), persist=False).ok
+    slots = job_slots(ckpt)
+    other_node = persist_newest({1: slots[1]})  # a node that holds rank 1 only
+    assert (other_node.status, other_node.step, other_node.ranks) == (RescueStatus.PERSISTED, 4, [1])
+    assert "the node that holds rank 0 commits" in other_node.reason
+    assert committed_steps(LocalStorage(str(ckpt))) == []
+    first_node = persist_newest({0: slots[0]}, commit_timeout=30)
+    assert (first_node.status, first_node.step, first_node.ranks) == (RescueStatus.COMMITTED, 4, [0])
+    assert committed_steps(LocalStorage(str(ckpt))) == [4]
+    assert_files(ckpt, 4)
+
+
 def test_meets_a_saver_persisting_the_same_snapshot(make_checkpointer, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "1")  # each data file takes a second to write
     ckpt = tmp_path / "ckpt"
