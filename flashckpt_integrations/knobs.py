@@ -15,6 +15,9 @@ SAVER_LOG_LEVEL = "FLASHCKPT_SAVER_LOG_LEVEL"
 SAVER_IDLE_EXIT = "FLASHCKPT_SAVER_IDLE_EXIT"
 SAVER_NICE = "FLASHCKPT_SAVER_NICE"
 """Niceness added to the saver (default 10): training keeps the CPU when both want it."""
+FAULT = "FLASHCKPT_FAULT"
+"""Fault injection (tests only): ``point[@n][,point[@n]...]`` SIGKILLs the process the n-th time
+(default: the first) it reaches ``point``; see ``flashckpt_integrations/_utils/faults.py``."""
 NODE_CHECK_PLUGINS = "FLASHCKPT_NODE_CHECK_PLUGINS"
 """Comma-separated modules the node check imports before it picks a check (they call
 ``register_node_check``; the last registered available check wins). Tests use it to make a rank slow."""

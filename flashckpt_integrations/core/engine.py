@@ -31,6 +31,7 @@ import torch
 
 from .. import knobs
 from .._utils.devices import on_device, record_device_events, synchronize_devices, wait_device_events
+from .._utils.faults import after_region, fault_point
 from ..config import BusyPolicy, CheckpointerConfig
 from ..errors import (
     CheckpointNotFoundError,
@@ -40,7 +41,7 @@ from ..errors import (
     SaverProcessError,
     SharedMemoryError,
 )
-from . import collectives
+from . import collectives, direct
 from .client import SaverClient, job_key, run_dir_for
 from .codecs import decode_from_slot, read_file
 from .layout import FAILED, Layout, commit_record, committed_steps, read_json
@@ -166,7 +167,7 @@ class Checkpointer:
             try:
                 slot = self._ensure_slot(index, end + len(raw_meta), pin=on_device(plan))
             except SharedMemoryError as exc:
-                return self._finish(SaveResult(step, SaveStatus.FAILED, str(exc)), started)
+                return self._finish(direct.fallback(self, step, plan, meta, persist, exc), started)
             self._seq += 1
             if self._slots[1 - index] is None:  # the other slot is created off the training path
                 self._background.submit(self._prepare_slot, 1 - index, slot.size, on_device(plan))
@@ -332,9 +333,10 @@ class Checkpointer:
                 self._persisting[index] = durable
                 self._requester.submit(self._request_persist, slot, step, seq, durable)
             wait_device_events(events)
-            copy_regions(plan, slot.buffer, slot.publish_copied if stream else None)
+            copy_regions(plan, slot.buffer, after_region(slot.publish_copied if stream else None))
             synchronize_devices(plan)
             slot.seal()
+            fault_point("trainer.sealed")  # sealed, the saver not yet asked
         except Exception as exc:
             slot.invalidate()  # a streaming persist sees this and fails, never publishing the step
             error = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import knobs
+from .._utils.faults import fault_point
 from .codecs import write_file
 from .layout import COMMITTED, FAILED, Layout, committed_steps, now, read_json, write_json
 from .protocol import LOCK_NAME, SLOTS_FILE, SOCKET_NAME
@@ -259,19 +260,21 @@ class Saver:
                 logger.error("persist of step %s rank %s failed: %s\n%s", request.get("step"),
                              request.get("rank"), exc, traceback.format_exc())
                 reply.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-            if conn is not None:
-                conn.send(reply)
+            # Rank 0 is answered once the step is committed or failed: its slot is kept until then,
+            # and if this saver dies first, the rank asks a new one, which finishes the commit.
             if int(request["rank"]) == 0:
                 with self.pending_lock:
                     self.pending += 1
-                self.commit_executor.submit(self._commit_and_release, request, reply["error"])
+                self.commit_executor.submit(self._commit_and_release, request, reply, conn)
+            elif conn is not None:
+                conn.send(reply)
         finally:
             with self.pending_lock:
                 self.pending -= 1
 
-    def _commit_and_release(self, request: dict[str, Any], local_error: str | None) -> None:
+    def _commit_and_release(self, request: dict[str, Any], reply: dict[str, Any], conn: _Connection | None) -> None:
         try:
-            self.commit(request, local_error)
+            self.commit(request, reply["error"], answer=lambda: conn is not None and conn.send(reply))
         finally:
             with self.pending_lock:
                 self.pending -= 1
@@ -328,6 +331,7 @@ class Saver:
 
                 def ready(index: int) -> None:
                     _wait_until_copied(slot, step, seq, index + 1, alive)
+                    fault_point("saver.write")  # part of the file is written
 
                 for fmeta in metadata["files"]:
                     entry = write_file(storage, f"{base}/{fmeta['path']}", fmeta, metadata["regions"], slot, ready)
@@ -354,11 +358,13 @@ class Saver:
         logger.info("rank %d step %d persisted: %d files, %.1f MiB in %.2fs", rank, step, len(entries),
                     total / 2**20, elapsed)
 
-    def commit(self, request: dict[str, Any], local_error: str | None = None) -> None:
+    def commit(self, request: dict[str, Any], local_error: str | None = None,
+               answer: Callable[[], Any] = lambda: None) -> None:
         """Committer (the saver of global rank 0): commit once every rank's marker exists.
 
         ``local_error`` is rank 0's own persist failure: the step cannot commit, and its
         failed marker may not have reached storage (a read-only one, say), so do not wait.
+        ``answer()`` is called once the step is committed or failed, before retention.
         """
         step, world_size = int(request["step"]), int(request["world_size"])
         layout = Layout(**request["layout"])
@@ -385,6 +391,7 @@ class Saver:
                         f"{step} within {request.get('commit_timeout')}s"
                     )
                 time.sleep(COMMIT_POLL_S)
+            fault_point("saver.commit")  # every rank's files are durable, nothing committed yet
             if layout.staging:
                 storage.rename(layout.write_path(step), layout.step_path(step))
             # Every rank's files are durable: the tracker may name this step (unless a newer one
@@ -401,6 +408,8 @@ class Saver:
             with contextlib.suppress(Exception):
                 write_json(storage, f"{marker_dir}/{FAILED}", {"step": step, "reason": str(exc), "time": now()})
             return
+        finally:
+            answer()
         self.purge(storage, layout, RetentionPolicy(**(request.get("retention") or {})))
 
     def purge(self, storage: Storage, layout: Layout, policy: RetentionPolicy) -> None:
@@ -411,6 +420,7 @@ class Saver:
             started = time.monotonic()
             try:
                 storage.remove(f"{layout.marker_dir(step)}/{COMMITTED}")
+                fault_point("retention.delete")  # uncommitted, its files not yet deleted
                 storage.remove(layout.step_path(step))
                 storage.remove(layout.marker_dir(step))
             except Exception as exc:

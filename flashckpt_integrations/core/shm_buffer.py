@@ -148,8 +148,10 @@ class Slot:
             return
         was_pinned = self._pinned
         self._unmap()
-        self.size = _grow(self.path, self._fd, self.size, min_size)
-        self._map(populate=True)
+        try:
+            self.size = _grow(self.path, self._fd, self.size, min_size)
+        finally:  # grown, or not (too little shared memory): the slot stays usable at its size
+            self._map(populate=True)
         if was_pinned:
             self.pin()
 

@@ -1,0 +1,147 @@
+"""Saving straight to storage from the training process, when shared memory is too small.
+
+A rank whose slot cannot be created or grown (``/dev/shm`` too small, as Docker's default
+64 MB is) does not drop a persisting save: it writes its files itself, through the same codecs
+the saver uses, then its done marker, and rank 0 commits the step with the saver's own commit
+protocol (every rank's marker, then the tracker and the commit record). The step is durable and
+committed when ``save`` returns on rank 0 (on the other ranks, ``wait()`` polls for the commit).
+Training is held for the whole write, and the state is staged in private memory (a ``memfd``,
+which does not count against ``/dev/shm``'s size) so that the codecs read it as they read a
+slot. Retention runs on a background thread, never on the training thread.
+
+A memory-only save (``persist=False``) does not fall back: writing every snapshot to storage
+would stall training far more than the snapshot saves; it fails with the reason instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import tempfile
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from .._utils.devices import synchronize_devices
+from ..errors import SharedMemoryError
+from .codecs import write_file
+from .layout import Layout, now, write_json
+from .results import SaveResult, SaveStatus
+from .shm_buffer import Slot
+from .state import SnapshotPlan, copy_regions
+from .storage import Storage
+
+if TYPE_CHECKING:
+    from .engine import Checkpointer
+
+logger = logging.getLogger(__name__)
+
+
+def fallback(
+    ck: Checkpointer, step: int, plan: SnapshotPlan, meta: dict[str, Any], persist: bool, error: SharedMemoryError,
+) -> SaveResult:
+    """What ``save`` does when the rank's slot cannot hold the snapshot (``error`` says why)."""
+    if not persist:
+        return SaveResult(step, SaveStatus.FAILED, (
+            f"{error} This memory-only save of step {step} was not kept; saves with persist=True "
+            "are written straight to storage until shared memory is large enough."))
+    logger.error("[RANK %d] %s Writing step %d straight to storage from the training process instead; "
+                 "training waits until it is durable.", ck.rank, error, step)
+    request = meta["persist"]  # the request the saver would have got: same seq, layout, retention
+    ck._seq += 1
+    committer = _Committer(ck.storage, ck._background)
+    try:
+        _persist(ck.storage, ck.layout, plan, request)
+    except Exception as exc:
+        reason = f"rank {ck.rank} could not write step {step} straight to storage: {type(exc).__name__}: {exc}"
+        logger.error("[RANK %d] %s", ck.rank, reason)
+        if ck.rank == 0:
+            committer.commit(request, reason)
+        return SaveResult(step, SaveStatus.FAILED, reason)
+    if ck.rank == 0:
+        committer.commit(request)
+    durable: Future = Future()
+    durable.set_result({"ok": True})
+    return SaveResult(step, SaveStatus.PERSISTING, f"written straight to storage: {error}", _durable=durable,
+                      _poll_commit=ck._poll_commit)
+
+
+def _persist(storage: Storage, layout: Layout, plan: SnapshotPlan, request: dict[str, Any]) -> None:
+    """Write one rank's files and its done marker (or its failed marker), as ``Saver.persist`` does."""
+    from .saver import _claim_step  # imported here: ``python -m ...core.saver`` must find it unimported
+
+    rank, step = int(request["rank"]), int(request["step"])
+    try:
+        _claim_step(storage, layout, step, rank)
+        entries = _write_files(storage, layout.write_path(step), plan)
+        write_json(storage, layout.rank_marker(step, rank), {
+            "rank": rank, "step": step, "seq": int(request["seq"]), "world_size": request["world_size"],
+            "files": entries, "time": now(),
+        })
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            write_json(storage, layout.rank_marker(step, rank, ok=False),
+                       {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def _write_files(storage: Storage, base: str, plan: SnapshotPlan) -> list[dict[str, Any]]:
+    """Stage the snapshot in private memory and write each file from it with its codec."""
+    end = plan.layout(0)
+    metadata = plan.metadata()
+    buffer = _private_buffer(end)
+    try:
+        for offset, blob in plan.blobs():
+            buffer.write_blob(offset, blob)
+        copy_regions(plan, buffer.buffer)
+        synchronize_devices(plan)
+        entries = []
+        for fmeta in metadata["files"]:
+            entry = write_file(storage, f"{base}/{fmeta['path']}", fmeta, metadata["regions"], buffer)
+            entries.append({**entry, "path": fmeta["path"], "codec": fmeta["codec"]})
+        return entries
+    finally:
+        buffer.close()
+
+
+def _private_buffer(nbytes: int) -> Slot:
+    """A slot-shaped mapping of private memory (a memfd; an unlinked temporary file without one)."""
+    size = max(mmap.PAGESIZE, (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE)
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("flashckpt-direct", getattr(os, "MFD_CLOEXEC", 0))
+    else:
+        fd, path = tempfile.mkstemp(prefix="flashckpt-direct-")
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+        return Slot("<private memory>", fd, size, populate=False)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class _Committer:
+    """The saver's commit and retention, run by rank 0's training process (no socket, no slots).
+
+    Borrows ``Saver.commit`` so that a step written straight to storage is committed by the
+    very protocol the saver uses; retention goes to ``executor``, off the training thread.
+    """
+
+    def __init__(self, storage: Storage, executor: Any) -> None:
+        self._storage_obj = storage
+        self._executor = executor
+
+    def _storage(self, request: dict[str, Any]) -> Storage:
+        return self._storage_obj
+
+    def commit(self, request: dict[str, Any], local_error: str | None = None) -> None:
+        from .saver import Saver
+
+        Saver.commit(self, request, local_error)  # type: ignore[arg-type]
+
+    def purge(self, *args: Any) -> None:
+        from .saver import Saver
+
+        with contextlib.suppress(RuntimeError):  # the checkpointer is closing: the next commit purges
+            self._executor.submit(Saver.purge, self, *args)
