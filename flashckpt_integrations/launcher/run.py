@@ -168,15 +168,15 @@ class NodeCare:
         self.group_rank = group_rank
         if self.job is None:
             return
-        node = knobs.get(knobs.NODE_ID) or f"{self.host}-{group_rank}"
-        run_dir = run_dir_for(job_key(self.job), job_key(node)[:8])
+        node = knobs.get(knobs.NODE_ID) or f"{self.host}-{group_rank}"  # as the ranks name it
         client = self._client
-        if client is not None and client.connected and client.run_dir == run_dir:
-            return
-        if client is not None:
-            client.close(clean=False)
-        self._client = _LauncherClient(run_dir, rank=-1)
         try:
+            run_dir = run_dir_for(job_key(self.job), job_key(node)[:8])
+            if client is not None and client.connected and client.run_dir == run_dir:
+                return
+            if client is not None:
+                client.close(clean=False)
+            self._client = _LauncherClient(run_dir, rank=-1)
             self._client.connect()
             _say(f"saver pid {self._client.saver_pid} serves job {self.job} on {self.host}")
         except FlashCkptError as exc:  # the workers start one themselves
