@@ -11,7 +11,13 @@ import time
 import torch
 
 from flashckpt_integrations.core.layout import Layout, committed_steps, read_json
-from flashckpt_integrations.core.rescue import RescueStatus, job_slots, persist_newest, read_snapshots
+from flashckpt_integrations.core.rescue import (
+    RescueStatus,
+    job_slots,
+    persist_newest,
+    read_snapshots,
+    run_dir_slots,
+)
 from flashckpt_integrations.core.storage import LocalStorage
 from tests.distributed.launch import env, free_port, torchrun_cmd, worker
 from tests.distributed.worker import state as worker_state
@@ -41,8 +47,11 @@ def test_persists_the_newest_step_every_rank_holds_and_never_a_partial_one(make_
     ckpt = tmp_path / "ckpt"
     ranks = two_ranks(make_checkpointer, ckpt)
     for ck in ranks:
+        ck.prepare(state(1, ck.rank))  # both slots exist from here on
         assert ck.save(1, state(1, ck.rank), persist=False).ok
     assert ranks[0].save(2, state(2, 0), persist=False).ok  # rank 1 never took step 2
+    # the slots, found by the job's name in /dev/shm or from the records in the saver's run directory
+    assert run_dir_slots(ranks[0].run_dir) == {r: ck.slot_paths for r, ck in enumerate(ranks)} == job_slots(ckpt)
     progress = []
     result = persist_newest(job_slots(ckpt), progress=lambda done, total: progress.append((done, total)))
     assert (result.status, result.step, result.ranks) == (RescueStatus.COMMITTED, 1, [0, 1]), result
