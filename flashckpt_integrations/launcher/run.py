@@ -325,8 +325,9 @@ class FlashElasticAgent(LocalElasticAgent):
             # Every worker of the node is stopped by now (torch elastic closes them on a failure).
             stderrs = dict(self._pcontext.stderrs) if self._pcontext is not None else {}
             self._care.on_failure(result.failures, stderrs)
-            left = self._remaining_restarts
-            _say(f"restarting the workers ({left} restart(s) left)" if left > 0 else "no restarts left")
+            left, most = self._remaining_restarts, worker_group.spec.max_restarts
+            _say(f"restarting the workers (restart {most - left + 1} of {most})" if left > 0 else
+                 f"no restarts left (--max-restarts {most})")
         return result
 
 
