@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--persist-every", type=int, default=3, help="persist every this many steps")
     parser.add_argument("--json", default=None, help="also write every case's outcome here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory of failed cases")
+    parser.add_argument("--keep-all", action="store_true", help="keep the work directory of every case")
     return parser.parse_args(argv)
 
 
@@ -59,19 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = []
     started = time.monotonic()
     try:
-        for index, seed in enumerate(seeds):
-            point = args.point or (None if args.seeds else POINTS[index % len(POINTS)])
-            case = harness.draw(seed, cfg, point)
+        for seed in seeds:
+            case = harness.draw(seed, cfg, args.point)
             workdir = os.path.join(base, f"seed-{seed}")
             os.makedirs(workdir)
             outcome = harness.run_case(case, cfg, ref, workdir)
             outcomes.append(outcome)
             print(harness.describe(outcome), flush=True)
-            if outcome.passed or not args.keep:
+            if not args.keep_all and (outcome.passed or not args.keep):
                 shutil.rmtree(workdir, ignore_errors=True)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-        if not args.keep:
+        if args.keep or args.keep_all:
+            print(f"work directories kept in {base}")
+        else:
             shutil.rmtree(base, ignore_errors=True)
     print()
     print(harness.table(outcomes))

@@ -29,6 +29,9 @@ from .protocol import LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
 
 logger = logging.getLogger(__name__)
 
+MAX_SOCKET_PATH = 107
+"""Longest path of a Unix socket on Linux (``sun_path`` holds 108 bytes with the terminating NUL)."""
+
 
 def job_key(job_id: str) -> str:
     """A short, filesystem-safe key for a job id."""
@@ -60,7 +63,15 @@ def user_run_root() -> str:
 
 
 def run_dir_for(job: str, node: str) -> str:
-    return private_dir(os.path.join(user_run_root(), f"{job}-{node}"))
+    path = os.path.join(user_run_root(), f"{job}-{node}")
+    socket_path = os.path.join(path, SOCKET_NAME)
+    if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+        raise SaverProcessError(
+            f"the saver's socket path {socket_path} is {len(os.fsencode(socket_path))} bytes long, and a Unix "
+            f"socket path may have at most {MAX_SOCKET_PATH}; set {knobs.RUN_DIR} (or XDG_RUNTIME_DIR) to a "
+            "shorter directory"
+        )
+    return private_dir(path)
 
 
 class SaverClient:
@@ -133,18 +144,21 @@ class SaverClient:
                 return True
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)  # a stale socket of a saver that is gone
-            self._start_saver()
+            proc = self._start_saver()
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline:
                 if self._try_connect():
                     return True
+                if proc is not None and proc.poll() is not None:  # it died while starting: do not wait
+                    return self._try_connect()
                 time.sleep(0.02)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         return False
 
-    def _start_saver(self) -> None:
+    def _start_saver(self) -> subprocess.Popen | None:
+        """Start the node's saver; return its process (overrides may return None: not watched)."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -157,6 +171,7 @@ class SaverClient:
                 start_new_session=True, env=env, cwd="/",
             )
         logger.info("[RANK %d] started saver pid %d for %s", self.rank, proc.pid, self.run_dir)
+        return proc
 
     def _disconnect(self) -> None:
         sock, self._sock = self._sock, None
@@ -181,6 +196,10 @@ class SaverClient:
                 sock.sendall((json.dumps({**message, "id": rid}) + "\n").encode())
             except OSError as exc:
                 self._futures.pop(rid, None)
+                if self._sock is sock:  # the saver is gone: the next connect() finds or starts another
+                    self._sock = None
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
                 future.set_exception(SaverProcessError(f"lost the saver connection: {exc}"))
         return future
 

@@ -60,8 +60,9 @@ class Case:
 
 
 def draw(seed: int, cfg: JobConfig, point: str | None = None) -> Case:
-    rng = random.Random(seed)
-    point = point or rng.choice(POINTS)
+    """The case of ``seed``: its point (``seed`` modulo the points, unless given), visit and rank."""
+    rng = random.Random(f"flashckpt-fault-{seed}")  # a string seed is hashed: neighbouring seeds differ
+    point = point or POINTS[seed % len(POINTS)]
     visit = rng.randint(1, cfg.hits(point))
     rank = -1 if point in SAVER_POINTS else rng.randrange(cfg.world_size)
     return Case(seed, point, visit, rank)
@@ -82,6 +83,8 @@ class Outcome:
     relaunched_at: float = 0.0
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    runs: list[float] = field(default_factory=list)
+    """Wall time of each launch of the job."""
 
     @property
     def passed(self) -> bool:
@@ -219,6 +222,7 @@ def run_case(case: Case, cfg: JobConfig, reference: dict[int, dict], workdir: st
     fault = {r: case.spec for r in range(cfg.world_size) if case.rank in (-1, r)}
     try:
         codes = launch(cfg, ckpt, os.path.join(workdir, "run1"), env, fault)
+        outcome.runs.append(time.monotonic() - started)
         out = os.path.join(workdir, "run1")
         if any(codes):
             outcome.fired = case.rank >= 0 and codes[case.rank] == -signal.SIGKILL
@@ -226,6 +230,7 @@ def run_case(case: Case, cfg: JobConfig, reference: dict[int, dict], workdir: st
             out = os.path.join(workdir, "run2")
             outcome.relaunched_at = time.time()
             codes = launch(cfg, ckpt, out, env)
+            outcome.runs.append(time.time() - outcome.relaunched_at)
             if any(codes):
                 outcome.problems.append(f"the relaunched job failed with exit codes {codes}")
         if case.rank == -1:
@@ -336,4 +341,5 @@ def describe(outcome: Outcome) -> str:
     where = f"rank {c.rank}" if c.rank >= 0 else "saver"
     resumed = f"resumed step {outcome.resumed} from {outcome.source}" if outcome.relaunched else "no relaunch"
     verdict = "ok" if outcome.passed else "FAILED: " + "; ".join(outcome.problems)
-    return f"seed {c.seed}: {c.spec} in {where}, {resumed}, {outcome.seconds:.1f}s: {verdict}"
+    runs = "+".join(f"{r:.1f}" for r in outcome.runs)
+    return f"seed {c.seed}: {c.spec} in {where}, {resumed}, {outcome.seconds:.1f}s (runs {runs}s): {verdict}"

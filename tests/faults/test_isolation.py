@@ -185,6 +185,16 @@ def test_clean_keeps_the_run_directory_of_a_live_saver(make_checkpointer, tmp_pa
     assert os.path.exists(os.path.join(ck.run_dir, "saver.sock"))
 
 
+def test_a_run_directory_too_deep_for_a_socket_is_a_clear_error(tmp_path, monkeypatch):
+    from flashckpt_integrations import SaverProcessError
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("FLASHCKPT_RUN_DIR", str(deep))
+    with pytest.raises(SaverProcessError, match="FLASHCKPT_RUN_DIR.*shorter directory"):
+        Checkpointer(tmp_path / "ckpt")
+
+
 def flashckpt(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     shm = ["--shm-dir", env.get("FLASHCKPT_SHM_DIR", os.environ["FLASHCKPT_SHM_DIR"])]
     return subprocess.run([sys.executable, "-m", "flashckpt_integrations.cli", *shm, *args], capture_output=True,
