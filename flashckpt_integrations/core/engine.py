@@ -421,6 +421,8 @@ class Checkpointer:
                 names = set(self.storage.list(marker_dir))
                 if "COMMITTED" in names:
                     return PersistResult(step, True)
+                if not names and any(s > step for s in self.committed_steps()):
+                    return PersistResult(step, True)  # this rank's marker was there: retention deleted the step
                 if FAILED in names:
                     failure = read_json(self.storage, f"{marker_dir}/{FAILED}")
                     mine = read_json(self.storage, self.layout.rank_marker(step, self.rank))

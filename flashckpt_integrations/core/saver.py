@@ -174,8 +174,9 @@ class Saver:
                     continue
                 if outstanding:
                     self.recovered.add((path, int(request["seq"])))
-                    logger.warning("rank %s asked to persist step %s and did not see it through; persisting it "
-                                   "now", request.get("rank"), request.get("step"))
+                    logger.warning("rank %s asked to persist step %s and did not see it through (it died, or "
+                                   "this saver was not up yet); persisting it now", request.get("rank"),
+                                   request.get("step"))
                     self._submit(None, {**request, "op": "persist", "id": None, "recovered": True})
                 elif int(request["rank"]) == 0:  # persisted; the commit may have been cut short
                     self.recovered.add((path, int(request["seq"])))
@@ -374,6 +375,9 @@ class Saver:
         try:
             if local_error is not None:
                 raise RuntimeError(f"ranks [0] failed to persist step {step}: {local_error}")
+            if not storage.list(marker_dir) and any(s > step for s in committed_steps(storage)):
+                logger.info("step %d was committed and retention has deleted it since", step)
+                return  # asked again (a recovered request met the rank's own): nothing left to commit
             _drop_stale_failure(storage, layout, step)
             while True:
                 names = set(storage.list(marker_dir))
