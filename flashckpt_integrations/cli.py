@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import fcntl
 import glob
 import json
 import os
@@ -20,9 +19,8 @@ import threading
 import time
 from typing import IO, Any
 
-from .core.client import job_key, user_run_root
+from .core.client import job_key, saver_running, user_run_root
 from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
-from .core.protocol import LOCK_NAME
 from .core.rescue import RescueStatus, job_slots, persist_newest
 from .core.shm_buffer import Slot
 from .core.storage import storage_from_url
@@ -112,7 +110,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
         os.unlink(path)
         removed += 1
     run_dirs = glob.glob(os.path.join(user_run_root(), f"{job_key(args.job_id or url)}-*"))
-    live = [d for d in run_dirs if _saver_running(d)]
+    live = [d for d in run_dirs if saver_running(d)]
     for run_dir in run_dirs:
         if run_dir not in live:  # a finished job's socket, locks, slot records and saver log
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -121,21 +119,6 @@ def cmd_clean(args: argparse.Namespace) -> int:
     for run_dir in live:
         print(f"kept {run_dir}: its saver is still running", file=sys.stderr)
     return 0
-
-
-def _saver_running(run_dir: str) -> bool:
-    """A saver holds ``saver.lock`` of its run directory for as long as it runs."""
-    try:
-        fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def cmd_persist(args: argparse.Namespace) -> int:

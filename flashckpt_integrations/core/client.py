@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import knobs
 from ..errors import SaverProcessError
-from .protocol import LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
+from .protocol import LOCK_NAME, LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,21 @@ def user_run_root() -> str:
         xdg = os.environ.get("XDG_RUNTIME_DIR")
         base = xdg if xdg and os.access(xdg, os.W_OK) else "/tmp"
     return private_dir(os.path.join(base, f"flashckpt-{os.getuid()}"))
+
+
+def saver_running(run_dir: str) -> bool:
+    """Whether a saver runs for ``run_dir``: it holds ``saver.lock`` from just after it starts until it exits."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def run_dir_for(job: str, node: str) -> str:
@@ -142,12 +157,14 @@ class SaverClient:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if self._try_connect():
                 return True
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)  # a stale socket of a saver that is gone
-            proc = self._start_saver()
+            if saver_running(self.run_dir):  # one is starting: connect once it listens, start no other
+                return False
+            proc = self._start_saver()  # it replaces a stale socket itself, once the saver lock is its
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline:
                 if self._try_connect():
+                    if proc is not None and self.saver_pid != proc.pid:  # another one answered: ours is spare
+                        proc.terminate()
                     return True
                 if proc is not None and proc.poll() is not None:  # it died while starting: do not wait
                     return self._try_connect()

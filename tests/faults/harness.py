@@ -245,6 +245,8 @@ def run_case(case: Case, cfg: JobConfig, reference: dict[int, dict], workdir: st
             outcome.problems += check(ckpt, cfg, reference, out)
     finally:
         stop_savers(run_base, ckpt)
+        with open(os.path.join(workdir, "saver.log"), "w") as f:  # kept with the case's directory
+            f.write(saver_logs(run_base, ckpt))
         if own_base:
             shutil.rmtree(run_base, ignore_errors=True)
     outcome.seconds = time.monotonic() - started
