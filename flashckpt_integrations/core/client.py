@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .. import knobs
+from .._utils.locks import lock_held
 from ..errors import SaverProcessError
 from .protocol import LOCK_NAME, LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
 
@@ -64,17 +65,7 @@ def user_run_root() -> str:
 
 def saver_running(run_dir: str) -> bool:
     """Whether a saver runs for ``run_dir``: it holds ``saver.lock`` from just after it starts until it exits."""
-    try:
-        fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return lock_held(os.path.join(run_dir, LOCK_NAME))
 
 
 def run_dir_for(job: str, node: str) -> str:

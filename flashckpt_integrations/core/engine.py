@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ import torch
 from .. import knobs
 from .._utils.devices import on_device, record_device_events, synchronize_devices, wait_device_events
 from .._utils.faults import after_region, fault_point
+from .._utils.locks import lock_held
 from ..config import BusyPolicy, CheckpointerConfig
 from ..errors import (
     CheckpointNotFoundError,
@@ -623,14 +623,4 @@ def _persist_outstanding(slot: Slot) -> bool:
 
 def _locked_by_saver(slot: Slot) -> bool:
     """The saver holds an exclusive lock on a slot file while it persists it."""
-    try:
-        fd = os.open(slot.path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return lock_held(slot.path, exclusive_only=True)
