@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .._utils.devices import synchronize_devices
 from ..errors import SharedMemoryError
 from .codecs import write_file
-from .layout import Layout, now, write_json
+from .layout import Layout, write_rank_done, write_rank_failed
 from .results import SaveResult, SaveStatus
 from .shm_buffer import Slot
 from .state import SnapshotPlan, copy_regions
@@ -75,14 +75,9 @@ def _persist(storage: Storage, layout: Layout, plan: SnapshotPlan, request: dict
     try:
         _claim_step(storage, layout, step, rank)
         entries = _write_files(storage, layout.write_path(step), plan)
-        write_json(storage, layout.rank_marker(step, rank), {
-            "rank": rank, "step": step, "seq": int(request["seq"]), "world_size": request["world_size"],
-            "files": entries, "time": now(),
-        })
+        write_rank_done(storage, layout, request, entries)
     except Exception as exc:
-        with contextlib.suppress(Exception):
-            write_json(storage, layout.rank_marker(step, rank, ok=False),
-                       {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"})
+        write_rank_failed(storage, layout, step, rank, exc)
         raise
 
 

@@ -16,6 +16,7 @@ directory name (as HF's ``get_last_checkpoint`` does) never sees a partial one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -102,3 +103,19 @@ def failure_record(storage: Storage, step: int) -> dict[str, Any] | None:
 
 def now() -> float:
     return time.time()
+
+
+def write_rank_done(storage: Storage, layout: Layout, request: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+    """Publish a rank's done marker for ``request``'s step: its files are durable (the seq names the snapshot)."""
+    rank, step = int(request["rank"]), int(request["step"])
+    write_json(storage, layout.rank_marker(step, rank), {
+        "rank": rank, "step": step, "seq": int(request["seq"]), "world_size": request["world_size"],
+        "files": entries, "time": now(),
+    })
+
+
+def write_rank_failed(storage: Storage, layout: Layout, step: int, rank: int, exc: BaseException) -> None:
+    """Publish a rank's failed marker (best effort: the storage may be what failed)."""
+    with contextlib.suppress(Exception):
+        write_json(storage, layout.rank_marker(step, rank, ok=False),
+                   {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"})

@@ -39,7 +39,17 @@ from typing import Any
 from .. import knobs
 from .._utils.faults import fault_point
 from .codecs import write_file
-from .layout import COMMITTED, FAILED, Layout, committed_steps, now, read_json, write_json
+from .layout import (
+    COMMITTED,
+    FAILED,
+    Layout,
+    committed_steps,
+    now,
+    read_json,
+    write_json,
+    write_rank_done,
+    write_rank_failed,
+)
 from .protocol import LOCK_NAME, SLOTS_FILE, SOCKET_NAME
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
@@ -341,14 +351,9 @@ class Saver:
                     entries.append(entry)
                 _wait_until_copied(slot, step, seq, None, alive)  # sealed: every byte was in place
                 _checked_metadata(slot, step, seq)
-                write_json(storage, layout.rank_marker(step, rank), {
-                    "rank": rank, "step": step, "seq": seq, "world_size": request["world_size"],
-                    "files": entries, "time": now(),
-                })
+                write_rank_done(storage, layout, request, entries)
             except Exception as exc:
-                with contextlib.suppress(Exception):
-                    write_json(storage, layout.rank_marker(step, rank, ok=False),
-                               {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"})
+                write_rank_failed(storage, layout, step, rank, exc)
                 raise
             finally:
                 slot.mark_persist_done(seq)
