@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import datetime
 import io
 import json
 import logging
@@ -570,15 +571,14 @@ def _check_in(op: str, group: Any, timeout_s: float, vote: Any = None) -> list[A
     store = dist.distributed_c10d._get_default_store()
     store.set(f"{base}/{dist.get_rank()}", json.dumps(vote))
     names = [f"{base}/{r}" for r in ranks]
-    deadline = time.monotonic() + timeout_s
-    delay = 0.0002
-    while not store.check(names):
-        if time.monotonic() > deadline:
-            missing = [r for r, name in zip(ranks, names) if not store.check([name])]
-            raise FlashCkptError(
-                f"{op} is collective but ranks {missing} did not call it within {timeout_s:.0f}s (rank "
-                f"{dist.get_rank()} did). Call it on every rank of the process group, at the same point."
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.005)
+    try:  # the store answers as soon as the last rank's key is set: no polling delay
+        store.wait(names, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # DistStoreError on a timeout
+        missing = [r for r, name in zip(ranks, names) if not store.check([name])]
+        if not missing:
+            raise
+        raise FlashCkptError(
+            f"{op} is collective but ranks {missing} did not call it within {timeout_s:.0f}s (rank "
+            f"{dist.get_rank()} did). Call it on every rank of the process group, at the same point."
+        ) from exc
     return [json.loads(v) for v in store.multi_get(names)]

@@ -155,6 +155,7 @@ class FlashCkptTrainer(Trainer):
         self._flash_config = self._flash_check_options(flash_config, flash_memory_interval)
         self._flash_checkpointer: Checkpointer | None = None
         self._flash_memory_due = False
+        self._flash_prepared = False
         self._flash_saved_step: int | None = None
         self._flash_resume: _MemoryResume | None = None
         self._flash_warned: set[str] = set()
@@ -256,6 +257,9 @@ class FlashCkptTrainer(Trainer):
         self._flash_snapshot(persist=True)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        if not self._flash_prepared:  # after the first optimizer step of this train()
+            self._flash_prepared = True
+            self._flash_prepare()
         super()._maybe_log_save_evaluate(*args, **kwargs)
         if self._flash_memory_due:
             self._flash_memory_due = False
@@ -270,6 +274,19 @@ class FlashCkptTrainer(Trainer):
             self._flash_attached = self.optimizer
         step = self.state.global_step
         self.store_flos()
+        files = self._flash_files(step, persist)
+        if self.is_deepspeed_enabled:  # the engine's files and these, committed together
+            result = _hf_deepspeed.save(self, step, files, persist)
+        else:
+            result = ck.save(step, files=files, persist=persist)
+        self.flash_last_save = result
+        if persist:
+            self._flash_saved_step = step
+        logger.info("flashckpt: step %d %s (training held %.3fs)", step, result.status.value, result.blocking_s)
+        return result
+
+    def _flash_files(self, step: int, persist: bool) -> dict[str, Any]:
+        """The files ``Trainer._save_checkpoint`` writes for ``step`` (only a persisted one updates the live state)."""
         should_save = self.args.should_save
         files: dict[str, Any] = self._flash_state_files(persist)
         best_dir = self._flash_best_checkpoint(step, persist)
@@ -284,15 +301,23 @@ class FlashCkptTrainer(Trainer):
             files.update(self._flash_small_files(self._save_rng_state))
         if should_save:
             files[TRAINER_STATE_NAME] = FileSpec(self._flash_trainer_state(persist, best_dir), Codec.BYTES)
-        if self.is_deepspeed_enabled:  # the engine's files and these, committed together
-            result = _hf_deepspeed.save(self, step, files, persist)
-        else:
-            result = ck.save(step, files=files, persist=persist)
-        self.flash_last_save = result
-        if persist:
-            self._flash_saved_step = step
-        logger.info("flashckpt: step %d %s (training held %.3fs)", step, result.status.value, result.blocking_s)
-        return result
+        return files
+
+    def _flash_prepare(self) -> None:
+        """Create the slots in the background, sized for a checkpoint, so no save pays for page faults.
+
+        Called after the first optimizer step of ``train()``, once the optimizer's state exists. FSDP
+        and DeepSpeed build their files collectively: their first save creates the slots.
+        """
+        strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
+        saves = strategy != "no" or any(isinstance(cb, FlashMemorySnapshotCallback)
+                                        for cb in self.callback_handler.callbacks)
+        if not saves or self.is_fsdp_enabled or self.is_deepspeed_enabled or self._flash_unsupported() is not None:
+            return
+        files = self._flash_files(self.state.global_step, persist=False)
+        if self.args.should_save:
+            files.update(self._flash_small_files(self._save_quietly))
+        self.flash_checkpointer.prepare(files=files, background=True)
 
     def _flash_state_files(self, persist: bool) -> dict[str, FileSpec]:
         """The model and optimizer files of a snapshot, and with ``persist`` what ``Trainer._save`` writes."""
@@ -394,7 +419,7 @@ class FlashCkptTrainer(Trainer):
         if resume_from_checkpoint is False:
             resume_from_checkpoint = None
         self.flash_resumed_from = None
-        self._flash_memory_due, self._flash_saved_step = False, None
+        self._flash_memory_due, self._flash_saved_step, self._flash_prepared = False, None, False
         flash = trial is None and self._flash_unsupported() is None
         if flash:
             ck = self.flash_checkpointer

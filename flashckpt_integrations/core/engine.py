@@ -115,15 +115,28 @@ class Checkpointer:
         """Make ``optimizer.step()`` wait for an overlapped snapshot still being copied."""
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_for_snapshot()))
 
-    def prepare(self, state: Any = None, *, files: Mapping[str, Any] | None = None, nbytes: int | None = None) -> None:
-        """Create and pre-fault both slots ahead of the first save, sized for ``state``."""
+    def prepare(
+        self,
+        state: Any = None,
+        *,
+        files: Mapping[str, Any] | None = None,
+        nbytes: int | None = None,
+        background: bool = False,
+    ) -> None:
+        """Create and pre-fault both slots ahead of the first save, sized for ``state``.
+
+        With ``background`` the slots are made on a helper thread and this returns at once; a
+        save that comes first waits for the slot it writes into (and never for more).
+        """
         device = False
         if nbytes is None:
             plan = plan_snapshot(normalize_files(self._files(state, files)))
             nbytes = plan.layout(HEADER_SIZE) + 64 * 1024 + 256 * len(plan.regions)
             device = on_device(plan)
         for index in range(2):
-            if self._persisting[index] is None or self._persisting[index].done():
+            if background:
+                self._background.submit(self._prepare_slot, index, nbytes, device)
+            elif self._persisting[index] is None or self._persisting[index].done():
                 self._ensure_slot(index, nbytes, pin=device)
 
     def save(
@@ -477,7 +490,7 @@ class Checkpointer:
     def _prepare_slot(self, index: int, nbytes: int, pin: bool) -> None:
         """Create and pre-fault slot ``index`` in the background, unless a save got there first."""
         with self._lock:
-            if self._closed or self._slots[index] is not None:
+            if self._closed or self._slots[index] is not None or self._busy(index):
                 return
             try:
                 self._ensure_slot(index, nbytes, pin=pin)

@@ -279,3 +279,23 @@ def test_a_crash_during_a_save_never_costs_the_newest_committed_checkpoint(tmp_p
 def test_options_that_cannot_work_together_fail_at_construction(tmp_path, kwargs, args, error, match):
     with pytest.raises(error, match=match):
         make_trainer(FlashCkptTrainer, str(tmp_path / "run"), max_steps=4, save_steps=2, args=args, **kwargs)
+
+
+def test_slots_are_prepared_after_the_first_step_so_the_first_save_creates_nothing(tmp_path):
+    sizes: dict[int, list[int | None]] = {}
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ck = trainer.flash_checkpointer
+            ck._background.submit(lambda: None).result()  # the background preparation is done
+            sizes[state.global_step] = [s.size if s is not None else None for s in ck._slots]
+
+    trainer = make_trainer(FlashCkptTrainer, str(tmp_path / "out"), max_steps=4, save_steps=3, callbacks=[Watch()])
+    trainer.train()
+    assert trainer.flash_last_save.step == 4
+    # step 1's callback runs before the first _maybe_log_save_evaluate: nothing yet
+    assert sizes[1] == [None, None]
+    prepared = sizes[2]
+    assert None not in prepared
+    assert sizes[3] == prepared == sizes[4], "the saves at steps 3 and 4 had to create or grow a slot"
+    assert checkpoints(tmp_path / "out") == [3, 4]
