@@ -62,7 +62,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without deepspeed
     raise missing_dependency("deepspeed", "deepspeed") from exc
 
-from ._deepspeed_load import broadcast_file, memory_sd_loader  # noqa: E402
+from ._deepspeed_load import memory_sd_loader  # noqa: E402
+from ._transfer import exchange, gloo_group  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -402,9 +403,8 @@ class FlashCheckpointEngine(CheckpointEngine):
         held = collectives.all_gather_object(sorted(own), ck.world_size, ck.process_group)
         self._listing = sorted(set().union(*held))
         tag = tag if tag is not None else self._tag_in(step_dir)
-        needed = [p for p in self._needed_files(load_dir, tag, kwargs) if p not in own]
-        wanted = collectives.all_gather_object(sorted(needed), ck.world_size, ck.process_group)
-        self._served = {**own, **self._receive(own, held, wanted)}
+        needed = self._needed_files(load_dir, tag, kwargs)
+        self._served = {**own, **exchange(own, needed, ck.rank, ck.world_size, ck.process_group, self._transfers())}
         engine = self.engine
         engine._get_all_ckpt_names = self._memory_ckpt_names
         original_factory = SDLoaderFactory.__dict__["get_sd_loader"]
@@ -437,24 +437,9 @@ class FlashCheckpointEngine(CheckpointEngine):
                 names.append(engine._get_zero_ckpt_name(load_dir, tag))
         return [os.path.abspath(n) for n in names]
 
-    def _receive(self, own: dict[str, Any], held: list[list[str]], wanted: list[list[str]]) -> dict[str, Any]:
-        """Files this rank needs from other ranks, each broadcast by the lowest rank holding it."""
-        ck = self.checkpointer
-        received: dict[str, Any] = {}
-        mine, held_sets = set(wanted[ck.rank]), [set(paths) for paths in held]
-        for path in sorted(set().union(*wanted)):
-            holders = [r for r, paths in enumerate(held_sets) if path in paths]
-            if not holders:
-                continue  # nobody has it: DeepSpeed reports the missing file
-            obj = broadcast_file(own.get(path), holders[0], ck.rank, self._transfers())
-            if path in mine:
-                received[path] = obj
-        return received
-
     def _transfers(self) -> Any:
         if self._transfer_group is None:
-            default_gloo = dist.get_backend() == "gloo"
-            self._transfer_group = dist.GroupMember.WORLD if default_gloo else dist.new_group(backend="gloo")
+            self._transfer_group = gloo_group()
         return self._transfer_group
 
     def _memory_ckpt_names(self, checkpoints_path: str, tag: str) -> list[str]:
