@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..core import collectives
 
 _ALIGN = 64
+_BATCH = 64 << 20
 
 
 def exchange(own: Mapping[str, Any], needed: list[str], rank: int, world_size: int, group: Any = None,
@@ -49,34 +50,50 @@ def gloo_group() -> Any:
 
 
 def broadcast_file(obj: Any, src: int, rank: int, group: Any = None) -> Any:
-    """Send a loaded file from ``src`` to every rank of ``group``: its structure, then all its tensor
-    bytes in one buffer (``broadcast_object_list`` of the tensors themselves is ~100x slower)."""
+    """Send a loaded file from ``src`` to every rank of ``group``: its structure, then its tensor bytes
+    in batches of up to 64 MiB (``broadcast_object_list`` of the tensors themselves is ~100x slower).
+
+    Every received tensor has a storage of its own, as after ``torch.load`` (``torch.set_rng_state``
+    and ``torch.save`` rely on that), and at most one batch is held twice.
+    """
     header: list[Any] = [None]
     tensors: list[torch.Tensor] = []
     if rank == src:
         skeleton = _pickle_without_tensors(obj, tensors)
+        header = [(skeleton, [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors])]
+    dist.broadcast_object_list(header, src=src, group=group)
+    skeleton, metas = header[0]
+    if rank != src:
+        tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in metas]
+    for batch in _batches(tensors):
         offsets, total = [], 0
-        for t in tensors:
+        for t in batch:
             offsets.append(total)
             total = (total + t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-        metas = [(str(t.dtype).removeprefix("torch."), tuple(t.shape), off) for t, off in zip(tensors, offsets)]
-        header = [(skeleton, metas, total)]
-    dist.broadcast_object_list(header, src=src, group=group)
-    skeleton, metas, total = header[0]
-    buffer = torch.empty(total, dtype=torch.uint8)
-    if rank == src:
-        for t, (_, _, off) in zip(tensors, metas):
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            buffer[off:off + raw.numel()].copy_(raw)
-    dist.broadcast(buffer, src=src, group=group)
-    if rank == src:
-        return obj
-    views = []
-    for dtype_name, shape, off in metas:
-        dtype = getattr(torch, dtype_name)
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        views.append(buffer[off:off + nbytes].view(dtype).view(shape))
-    return _Unpickler(io.BytesIO(skeleton), views).load()
+        buffer = torch.empty(total, dtype=torch.uint8)
+        for t, off in zip(batch, offsets):
+            if rank == src:
+                raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                buffer[off:off + raw.numel()].copy_(raw)
+        dist.broadcast(buffer, src=src, group=group)
+        if rank != src:
+            for t, off in zip(batch, offsets):
+                flat = t.view(-1).view(torch.uint8)
+                flat.copy_(buffer[off:off + flat.numel()])
+    return obj if rank == src else _Unpickler(io.BytesIO(skeleton), tensors).load()
+
+
+def _batches(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    batches: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if batches[-1] and size + nbytes > _BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(t)
+        size += nbytes
+    return [b for b in batches if b]
 
 
 class _Pickler(pickle.Pickler):

@@ -240,6 +240,19 @@ def _patch_distopt_legacy_load():
     _set_main_param_and_optimizer_states._cpu_shim = True
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
+    # Without Apex/TE, DistributedOptimizer.load_state_dict (distrib_optimizer.py:1024-1032) gives every
+    # parameter's state the *same* 'step' tensor; torch Adam increments it in place once per parameter,
+    # so the first step after a load uses wrong bias corrections. Give each parameter its own copy.
+    orig_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        orig_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get('step')):
+                state['step'] = state['step'].clone()
+
+    DistributedOptimizer.load_state_dict = load_state_dict
+
 
 def apply():
     """Apply all shims (idempotent)."""
