@@ -18,4 +18,14 @@ rc=0
 if [[ $rc -eq 5 ]]; then
     echo "ERROR: pytest collected no tests (exit code 5); treating as failure" >&2
 fi
-exit "$rc"
+
+# Megatron-LM's checkpointing needs megatron-core 0.19 on Python >= 3.12: its own virtualenv.
+mrc=0
+if [[ "${FLASHCKPT_SKIP_MEGATRON:-0}" != 1 ]]; then
+    bash scripts/test-megatron.sh || mrc=$?
+    if [[ $mrc -eq 5 ]]; then
+        echo "ERROR: the Megatron tests collected nothing (exit code 5); treating as failure" >&2
+    fi
+fi
+[[ $rc -ne 0 ]] && exit "$rc"
+exit "$mrc"

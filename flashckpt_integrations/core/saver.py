@@ -53,7 +53,7 @@ from .layout import (
 from .protocol import LOCK_NAME, SLOTS_FILE, SOCKET_NAME
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
-from .storage import Storage, storage_from_url, write_bytes
+from .storage import Storage, remove_stale_temporaries, storage_from_url, write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -351,6 +351,8 @@ class Saver:
                     entries.append(entry)
                 _wait_until_copied(slot, step, seq, None, alive)  # sealed: every byte was in place
                 _checked_metadata(slot, step, seq)
+                # a saver killed while writing these files left temporaries that would be committed with them
+                remove_stale_temporaries(storage, [f"{base}/{e['path']}" for e in entries])
                 write_rank_done(storage, layout, request, entries)
             except Exception as exc:
                 write_rank_failed(storage, layout, step, rank, exc)

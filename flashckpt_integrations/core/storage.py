@@ -72,6 +72,20 @@ def write_bytes(storage: Storage, path: str, data: bytes) -> None:
         f.write(data)
 
 
+def remove_stale_temporaries(storage: Storage, paths: list[str]) -> None:
+    """Remove what writers killed mid-write left beside ``paths``: their temporary siblings
+    (``.name.tmp-*`` locally, ``name.tmp-*`` on object stores). One listing per directory."""
+    by_parent: dict[str, set[str]] = {}
+    for path in paths:
+        parent, _, name = path.rpartition("/")
+        by_parent.setdefault(parent, set()).add(name)
+    for parent, names in by_parent.items():
+        for entry in storage.list(parent):
+            stem = entry.removeprefix(".").partition(".tmp-")[0]
+            if ".tmp-" in entry and stem in names:
+                storage.remove(f"{parent}/{entry}" if parent else entry)
+
+
 def _wrap(op: str, path: str, exc: BaseException) -> StorageError:
     hint = ""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:

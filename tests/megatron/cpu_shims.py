@@ -207,6 +207,26 @@ def _patch_megatron():
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
     _patch_distopt_legacy_load()
+    _patch_pretrain()
+
+
+def _patch_pretrain():
+    """What ``megatron.training.pretrain()`` needs beyond what the hand-written loops need."""
+    from megatron.training import training
+
+    if getattr(training.initialize_megatron, '_cpu_shim', False):
+        return
+    orig_initialize = training.initialize_megatron
+
+    # pretrain() calls initialize_megatron() without allow_no_cuda (-> "Megatron requires CUDA.") and
+    # outside fake_cuda_device_count() (-> no model-parallel groups, no RNG tracker): supply both.
+    def initialize_megatron(*args, **kwargs):
+        kwargs['allow_no_cuda'] = True
+        with fake_cuda_device_count():
+            return orig_initialize(*args, **kwargs)
+
+    initialize_megatron._cpu_shim = True
+    training.initialize_megatron = initialize_megatron
 
 
 def _patch_distopt_legacy_load():

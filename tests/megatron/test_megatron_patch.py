@@ -111,7 +111,7 @@ def test_kill_after_a_memory_snapshot_resumes_from_memory_without_reading_storag
 def test_tracker_never_names_an_iteration_whose_files_are_incomplete(tmp_path):
     # The saver is killed in the middle of writing iteration 2's files; the ranks restart it and ask again.
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    recs = checked(launch("roundtrip", "tp2", ckpt, out, FLASHCKPT_FAULT="saver.write@1"), out)
+    recs = checked(launch("roundtrip", "tp2", ckpt, out, SAVER_FAULT="saver.write@1"), out)
     for rec in recs:
         assert rec["final"] == rec["reference"] and rec["loaded_iteration"] == 4
     named = int((ckpt / TRACKER).read_text())
@@ -155,4 +155,26 @@ def test_patch_rejects_bad_options():
         flash_megatron.patch(persist_interval=0)
     with pytest.raises(ValueError, match="must not set 'layout'"):
         flash_megatron.patch(config={"layout": None})
-    assert sys.modules["megatron.training.checkpointing"].save_checkpoint.__module__ == "megatron.training.checkpointing"
+    checkpointing = sys.modules["megatron.training.checkpointing"]
+    assert checkpointing.save_checkpoint is flash_megatron._checkpointing.save_checkpoint
+    assert flash_megatron._active is None
+
+
+def test_dist_checkpointing_save_through_the_flash_strategy_loads_with_the_stock_loader(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    recs = checked(launch("dist", "tp2", ckpt, out), out)
+    for rec in recs:
+        assert rec["committed"] == [2, True, None]
+        assert rec["loaded"] == rec["saved"]
+    assert recs[0]["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"]
+    assert (ckpt / ".flashckpt" / "steps" / "2" / "COMMITTED").exists()
+
+
+def test_the_strategy_needs_a_step_in_the_directory_name():
+    from flashckpt_integrations.adapters.megatron_core import step_layout
+
+    assert step_layout("/c/iter_0000100")[1:] == (100, step_layout("/c/iter_0000100")[2])
+    assert step_layout("/c/iter_0000100")[2].step_path(7) == "iter_0000007"
+    assert step_layout("/c/step-12")[2].step_path(7) == "step-7"
+    with pytest.raises(ValueError, match="does not end in a step number"):
+        step_layout("/c/latest")

@@ -169,7 +169,7 @@ def main() -> int:
     parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=("roundtrip", "crash", "resume", "load"), required=True)
+    parser.add_argument("--mode", choices=sorted(MODES), required=True)
     opts = parser.parse_args()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     sys.argv = [sys.argv[0], *megatron_argv(opts.layout, opts.ckpt)]
@@ -208,7 +208,15 @@ def roundtrip(record: dict) -> None:
             record.setdefault("status", {})[iteration] = flash.last_save.status.value
             record.setdefault("blocking_s", []).append(flash.last_save.blocking_s)
 
-    train(model, optimizer, scheduler, 1, 4, save)
+    fault = os.environ.pop("SAVER_FAULT", "")
+    if fault:  # armed in the saver that the first save starts, not in the ones restarted after it dies
+        os.environ["FLASHCKPT_FAULT"] = fault
+        train(model, optimizer, scheduler, 1, 1, save)
+        ck = flash.checkpointer(get_args().save)
+        while not (os.path.exists(os.path.join(ck.run_dir, "saver.log")) or ck._client.connected):
+            time.sleep(0.005)
+        os.environ.pop("FLASHCKPT_FAULT")
+    train(model, optimizer, scheduler, 2 if fault else 1, 4, save)
     if flash is not None:
         outcome = flash.wait()
         record["committed"] = [outcome.step, outcome.committed, outcome.error]
@@ -265,7 +273,38 @@ def load(record: dict) -> None:
         flash_megatron.unpatch()
 
 
-MODES = {"roundtrip": roundtrip, "crash": crash, "resume": resume, "load": load}
+def dist(record: dict) -> None:
+    """megatron-core dist_checkpointing through the flash strategy, read back with the stock loader."""
+    from megatron.core import dist_checkpointing
+
+    from flashckpt_integrations.adapters.megatron_core import FlashTorchDistSaveStrategy
+
+    model, optimizer, scheduler = build(seed=7)
+    train(model, optimizer, scheduler, 1, 2)
+    strategy = FlashTorchDistSaveStrategy()
+    directory = os.path.join(get_args().save, "iter_0000002")
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    torch.distributed.barrier()
+    started = time.perf_counter()
+    dist_checkpointing.save({"model": unwrap_model(model[0]).sharded_state_dict()}, directory,
+                            sharded_strategy=strategy)
+    record["blocking_s"] = time.perf_counter() - started
+    outcome = strategy.last_save.wait()
+    record["committed"] = [outcome.step, outcome.committed, outcome.error]
+    record["saved"] = digest(model, optimizer)
+    strategy.close()
+
+    fresh, fresh_optimizer, _ = build(seed=99)
+    target = unwrap_model(fresh[0])
+    loaded = dist_checkpointing.load({"model": target.sharded_state_dict()}, directory)  # stock
+    target.load_state_dict(loaded["model"])
+    record["loaded"] = {k: v for k, v in digest(fresh, fresh_optimizer).items() if k.startswith("model")}
+    record["saved"] = {k: v for k, v in record["saved"].items() if k.startswith("model")}
+    record["files"] = sorted(os.listdir(directory))
+
+
+MODES = {"roundtrip": roundtrip, "crash": crash, "resume": resume, "load": load, "dist": dist}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -129,3 +129,15 @@ def test_raising_fsspec_filesystem_is_reported(tmp_path, make_checkpointer):
     os.unlink(root / "FAIL")
     assert ck.save(3, {"w": torch.zeros(3)}).wait(60).committed
     assert ck.committed_steps() == [1, 3]
+
+
+def test_stale_temporaries_of_written_files_are_removed(tmp_path):
+    from flashckpt_integrations.core.storage import LocalStorage, remove_stale_temporaries
+
+    storage = LocalStorage(str(tmp_path))
+    for name in ("d/x.pt", "d/.x.pt.tmp-1a2b3c4d", "d/x.pt.tmp-00ff00ff", "d/.y.pt.tmp-5e6f7a8b", "e/.z.tmp-1"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"-")
+    remove_stale_temporaries(storage, ["d/x.pt", "e/z"])
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [".y.pt.tmp-5e6f7a8b", "x.pt"]
+    assert not list((tmp_path / "e").iterdir())

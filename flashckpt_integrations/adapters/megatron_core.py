@@ -1,0 +1,125 @@
+"""A flash save strategy for megatron-core's ``dist_checkpointing`` (the ``torch_dist`` format).
+
+```python
+from megatron.core import dist_checkpointing
+from flashckpt_integrations.adapters.megatron_core import FlashTorchDistSaveStrategy
+
+strategy = FlashTorchDistSaveStrategy()            # one per job, on every rank
+dist_checkpointing.save(sharded_state_dict, "ckpt/iter_0000100", sharded_strategy=strategy)
+strategy.last_save.wait()                          # optional: until every rank's files are committed
+state = dist_checkpointing.load(sharded_state_dict, "ckpt/iter_0000100")   # the stock loader
+```
+
+``save`` translates the sharded state dict as megatron-core's ``TorchDistSaveShardedStrategy``
+does, plans it with megatron-core's own DCP planner, copies every rank's shards into its
+shared-memory slot and returns; the node's saver writes the standard ``torch_dist`` files
+(``__<rank>_0.distcp`` and ``.metadata``) that the stock ``dist_checkpointing.load`` reads. The
+checkpoint directory's name carries the step (``iter_0000100``, ``step-100``): a checkpoint counts
+once ``<parent>/.flashckpt/steps/<N>/COMMITTED`` exists (``metadata.json`` is written by
+``dist_checkpointing.save`` itself, at once). ``persist=False`` keeps saves in memory only.
+
+Only megatron-core is needed (any release with ``strategies.torch``, 0.16 and newer); for
+Megatron-LM's ``save_checkpoint`` see :mod:`.megatron`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..config import CheckpointerConfig
+from ..core.engine import Checkpointer
+from ..core.layout import Layout
+from ..core.results import SaveResult
+from ..errors import missing_dependency
+from . import dcp as flash_dcp
+
+try:
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+    raise missing_dependency("megatron-core", "megatron") from exc
+
+__all__ = ["FlashTorchDistSaveStrategy", "step_layout"]
+
+_STEP_NAME = re.compile(r"(.*?)(\d+)")
+
+
+def step_layout(checkpoint_dir: str | os.PathLike) -> tuple[str, int, Layout]:
+    """The root, step and layout a checkpoint directory's name stands for (``ckpt/iter_0000100``:
+    root ``ckpt``, step 100, ``iter_{step:07d}``)."""
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    name = os.path.basename(path)
+    match = _STEP_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(
+            f"checkpoint directory {path!r} does not end in a step number; flash checkpoints are kept per step, "
+            "so name each checkpoint directory after its step (e.g. 'iter_0000100' or 'step-100')"
+        )
+    prefix, digits = match.groups()
+    padded = len(digits) > 1 and digits.startswith("0")
+    template = f"{prefix}{{step:0{len(digits)}d}}" if padded else f"{prefix}{{step}}"
+    return os.path.dirname(path), int(digits), Layout(step_dir=template, tracker=None, staging=False)
+
+
+class FlashTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
+    """megatron-core's ``torch_dist`` save strategy, with the shards going through shared memory.
+
+    ``persist``: write every save to storage (else keep it in memory only). ``config``: a
+    :class:`~flashckpt_integrations.CheckpointerConfig` or a dict of its fields (retention, ...);
+    the layout comes from the checkpoint directory's name. ``last_save`` is the
+    :class:`~flashckpt_integrations.SaveResult` of the newest save.
+    """
+
+    def __init__(self, *, persist: bool = True, config: CheckpointerConfig | Mapping[str, Any] | None = None,
+                 keep_only_main_replica: bool = True) -> None:
+        super().__init__("torch_dist", 1, keep_only_main_replica=keep_only_main_replica)
+        if isinstance(config, CheckpointerConfig):
+            config = dataclasses.asdict(config)
+        self.persist = persist
+        self.last_save: SaveResult | None = None
+        self._fields = {k: v for k, v in dict(config or {}).items() if k != "layout"}
+        self._checkpointers: dict[tuple[str, str], Checkpointer] = {}
+
+    def checkpointer(self, checkpoint_dir: str | os.PathLike) -> Checkpointer:
+        """The checkpointer that saves ``checkpoint_dir`` (one per parent directory and name pattern)."""
+        root, _, layout = step_layout(checkpoint_dir)
+        key = (root, layout.step_dir)
+        if key not in self._checkpointers:
+            self._checkpointers[key] = Checkpointer(root, CheckpointerConfig(**self._fields, layout=layout))
+        return self._checkpointers[key]
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
+        _, step, _ = step_layout(checkpoint_dir)
+        ck = self.checkpointer(checkpoint_dir)
+        state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                   flatten_state_dict=False, flatten_sharded_tensors=False)
+        files = flash_dcp.dcp_files(mcore_to_pyt_state_dict(state, False), process_group=ck.process_group,
+                                    planner=planner)
+        self.last_save = ck.save(step, files=files, persist=self.persist)
+
+    def async_save(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "FlashTorchDistSaveStrategy saves asynchronously by itself: call dist_checkpointing.save without "
+            "async_sharded_save (it returns once the shards are in shared memory)"
+        )
+
+    def wait(self) -> None:
+        """Wait until every persisting save is committed (or failed)."""
+        for ck in self._checkpointers.values():
+            ck.wait()
+
+    def close(self) -> None:
+        """Wait for in-flight persisting and free the shared memory."""
+        for ck in self._checkpointers.values():
+            ck.close()
+        self._checkpointers.clear()
