@@ -156,6 +156,7 @@ class MegatronFlash:
     _originals: dict[str, Any] = dataclasses.field(default_factory=dict)
     _replaced: list[tuple[Any, str, Any]] = dataclasses.field(default_factory=list)
     _warned: set[str] = dataclasses.field(default_factory=set)
+    _attached: set[int] = dataclasses.field(default_factory=set)
     _transfer_group: Any = None
 
     def checkpointer(self, directory: str | os.PathLike) -> Checkpointer:
@@ -190,11 +191,22 @@ class MegatronFlash:
         memory_only = bool(call.arguments.pop("non_persistent_ckpt", False))
         persist = not memory_only and self.persist_interval is not None and iteration % self.persist_interval == 0
         ck = self.checkpointer(margs.save)
+        self._attach(ck, call.arguments.get("optimizer"))
         files = self._capture(ck, iteration, original, call)
         self.last_save = ck.save(iteration, files=files, persist=persist,
                                  metadata={"megatron": _parallel_sizes(margs)})
         logger.info("[RANK %d] flashckpt: iteration %d %s (training held %.3fs)", ck.rank, iteration,
                     self.last_save.status.value, self.last_save.blocking_s)
+
+    def _attach(self, ck: Checkpointer, optimizer: Any) -> None:
+        """With ``async_snapshot``, make the torch optimizers inside Megatron's wait for the overlapped copy."""
+        if not ck.config.async_snapshot or optimizer is None or id(optimizer) in self._attached:
+            return
+        self._attached.add(id(optimizer))
+        for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            inner = getattr(part, "optimizer", None)
+            if isinstance(inner, torch.optim.Optimizer):
+                ck.attach_optimizer(inner)
 
     def _capture(self, ck: Checkpointer, iteration: int, original: Any, call: inspect.BoundArguments) -> dict[str, Any]:
         """Run Megatron's save with its file writes captured; the files relative to the iteration's folder."""

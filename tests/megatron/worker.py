@@ -58,11 +58,12 @@ LAYOUTS = {
 }
 
 
-def megatron_argv(layout: str, ckpt: str) -> list[str]:
+def megatron_argv(layout: str, ckpt: str, *, layers: int = 2, hidden: int = 64, vocab: int = 128) -> list[str]:
     return [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "128", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "4",
+        "--ffn-hidden-size", str(2 * hidden), "--seq-length", "32", "--max-position-embeddings", "32",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "100", "--lr", "1e-3",
         "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--optimizer", "adam",
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
@@ -232,7 +233,8 @@ def roundtrip(record: dict) -> None:
 
 
 def crash(record: dict) -> None:
-    flash = flash_megatron.patch(persist_interval=4)
+    # overlapped snapshots: the copy runs while the next iteration's forward and backward do
+    flash = flash_megatron.patch(persist_interval=4, config={"async_snapshot": True})
     model, optimizer, scheduler = build(seed=7)
 
     def save(iteration: int) -> None:
