@@ -130,8 +130,9 @@ class SaverClient:
             sock.close()
             return False
         self._sock = sock
-        self._reader = threading.Thread(target=self._read_loop, name="flashckpt-saver-reader", daemon=True)
-        self._reader.start()
+        reader = threading.Thread(target=self._read_loop, name="flashckpt-saver-reader", daemon=True)
+        reader.start()
+        self._reader = reader  # started before it is seen: close() may run meanwhile (at exit) and join it
         try:
             reply = self.request({"op": "hello", "rank": self.rank, "pid": os.getpid()}).result(self.start_timeout)
         except Exception:

@@ -47,6 +47,8 @@ What is patched, and why (all idempotent, process-wide):
    - ``DistributedOptimizer._set_main_param_and_optimizer_states``: tolerate the torch-Adam
      ``'step'`` state and run under ``no_grad`` (see ``_patch_distopt_legacy_load``);
      only matters for ``--use-distributed-optimizer --ckpt-format torch`` load.
+   - ``megatron.training.training.initialize_megatron`` (the name ``pretrain()`` calls): run with
+     ``allow_no_cuda=True`` inside ``fake_cuda_device_count()`` (see 4.); only ``pretrain()`` uses it.
 4. ``fake_cuda_device_count()`` context manager: ``initialize_megatron`` only calls
    ``mpu.initialize_model_parallel`` and ``model_parallel_cuda_manual_seed`` when
    ``torch.cuda.device_count() > 0`` (initialize.py:358, :447). Use it only around
