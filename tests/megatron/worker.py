@@ -34,17 +34,24 @@ cpu_shims.apply()
 
 import torch  # noqa: E402
 from megatron.core import mpu  # noqa: E402
+from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.utils import unwrap_model  # noqa: E402
+from megatron.core.rerun_state_machine import RerunDataIterator  # noqa: E402
+from megatron.core.utils import get_model_config, unwrap_model  # noqa: E402
 from megatron.training import checkpointing, get_args  # noqa: E402
 from megatron.training.argument_utils import core_transformer_config_from_args  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.initialize import _set_random_seed, initialize_megatron  # noqa: E402
-from megatron.training.training import get_megatron_optimizer_config, get_model, get_optimizer_param_scheduler  # noqa: E402
+from megatron.training.training import (  # noqa: E402
+    get_megatron_optimizer_config,
+    get_model,
+    get_optimizer_param_scheduler,
+    train_step,
+)
 
 from flashckpt_integrations.adapters import megatron as flash_megatron  # noqa: E402
 
@@ -97,6 +104,12 @@ def build(seed: int):
     opt_config, overrides = get_megatron_optimizer_config(args)
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=overrides,
                                        use_gloo_process_groups=args.use_gloo_process_groups)
+    # what megatron.training.train() sets up: without it gradients are never reduced across
+    # data-parallel ranks, nor the tied embeddings across pipeline stages
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    if config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
     return model, optimizer, get_optimizer_param_scheduler(optimizer)
 
 
@@ -124,20 +137,16 @@ def forward_step(data_iterator, model):
 
 
 def train(model, optimizer, scheduler, first: int, last: int, save=None) -> None:
-    """Iterations ``first``..``last``; ``save(iteration)`` after each one."""
+    """Iterations ``first``..``last`` with Megatron's own ``train_step``; ``save(iteration)`` after each one."""
     args = get_args()
     fwd_bwd = get_forward_backward_func()
-    micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    config = get_model_config(model[0])
     for iteration in range(first, last + 1):
-        for m in model:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        data = batches(iteration)
-        fwd_bwd(forward_step_func=forward_step, data_iterator=[data] if len(model) > 1 else data, model=model,
-                num_microbatches=micro, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                forward_only=False)
-        optimizer.step()
-        scheduler.step(increment=args.global_batch_size)
+        data = RerunDataIterator(batches(iteration))  # as train() wraps its iterator
+        _, skipped, *_ = train_step(forward_step, [data] if len(model) > 1 else data, model, optimizer, scheduler,
+                                    config, fwd_bwd, iteration=iteration)
+        if skipped:
+            raise RuntimeError(f"iteration {iteration} was skipped")
         args.consumed_train_samples = getattr(args, "consumed_train_samples", 0) + args.global_batch_size
         if save is not None:
             save(iteration)
