@@ -217,22 +217,24 @@ def test_models_over_the_shard_size_are_split_like_save_pretrained(tmp_path, mon
 
 
 CRASH_DURING_PERSIST = """
-import os, signal, sys, time
+import os, subprocess, sys, time
 from transformers import TrainerCallback
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer
-from tests.helpers import kill_savers
+from tests.helpers import saver_pids
 from tests.hf.common import make_trainer
 
 class CrashDuringPersist(TrainerCallback):
-    # At step 12's save: kill the node's saver while it writes checkpoint-12, then this process.
+    # At step 12's save: kill the node's saver while it writes checkpoint-12, and this process, at
+    # once (one kill(1) call): a trainer that outlives its saver starts a new one, which would finish
+    # the save.
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == 12:
             staging = os.path.join(args.output_dir, ".flashckpt", "staging", "checkpoint-12")
             deadline = time.monotonic() + 30
             while not os.path.isdir(staging) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            kill_savers(trainer.flash_checkpointer.run_dir)
-            os.kill(os.getpid(), signal.SIGKILL)
+            pids = saver_pids(trainer.flash_checkpointer.run_dir)
+            subprocess.run(["kill", "-9", *map(str, pids), str(os.getpid())])
 
 trainer = make_trainer(FlashCkptTrainer, sys.argv[1], max_steps=16, save_steps=4, args={"save_total_limit": 2},
                        flash_config={"storage_factory": "tests.helpers:SlowStorage"})
