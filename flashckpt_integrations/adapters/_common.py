@@ -14,14 +14,16 @@ from ..core.engine import Checkpointer
 from ..core.state import Codec, FileSpec
 
 
-def newest_memory_step(ck: Checkpointer) -> int | None:
+def newest_memory_step(ck: Checkpointer, steps: list[int] | None = None) -> int | None:
     """The step ``ck.load()`` would restore from memory (collective), or None.
 
     Mirrors the rule of ``Checkpointer.load``: a step held complete by every rank and at least as
-    new as the newest commit; decided without reading anything from storage.
+    new as the newest commit; decided without reading anything from storage. ``steps``: this
+    rank's candidates, when an adapter accepts only some of its memory snapshots (default: all).
     """
     committed = ck.committed_steps()
-    views = collectives.all_gather_object([ck.memory_steps(), committed[-1] if committed else None],
+    mine = ck.memory_steps() if steps is None else sorted(steps)
+    views = collectives.all_gather_object([mine, committed[-1] if committed else None],
                                           ck.world_size, ck.process_group)
     common = set.intersection(*(set(v[0]) for v in views))
     newest_commit = views[0][1]

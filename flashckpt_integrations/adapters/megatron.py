@@ -50,11 +50,11 @@ from typing import Any
 import torch
 
 from ..config import CheckpointerConfig
-from ..core import collectives
 from ..core.engine import Checkpointer
 from ..core.layout import Layout
 from ..core.results import PersistResult, SaveResult
 from ..errors import FlashCkptError, LayoutMismatchError, missing_dependency
+from ._common import newest_memory_step
 from ._transfer import exchange, gloo_group
 
 try:
@@ -260,18 +260,15 @@ class MegatronFlash:
                 matching.append(step)
             else:
                 other[step] = saved
-        committed = ck.committed_steps()
-        views = collectives.all_gather_object([sorted(matching), committed[-1] if committed else None],
-                                              ck.world_size, ck.process_group)
-        common = set.intersection(*(set(v[0]) for v in views))
-        newest = views[0][1]
-        eligible = [s for s in common if newest is None or s >= newest]
-        skipped = [s for s in other if newest is None or s >= newest]
-        if skipped and not eligible:
-            logger.warning("[RANK %d] flashckpt: the memory snapshots of iterations %s were saved with parallel sizes "
-                           "%s, this run has %s; loading from storage", ck.rank, sorted(skipped),
-                           other[max(skipped)], sizes)
-        return max(eligible) if eligible else None
+        step = newest_memory_step(ck, matching)
+        if step is None and other:
+            committed = ck.committed_steps()
+            skipped = [s for s in other if not committed or s >= committed[-1]]
+            if skipped:
+                logger.warning("[RANK %d] flashckpt: the memory snapshots of iterations %s were saved with parallel "
+                               "sizes %s, this run has %s; loading from storage", ck.rank, sorted(skipped),
+                               other[max(skipped)], sizes)
+        return step
 
     @contextlib.contextmanager
     def _serving(self, ck: Checkpointer, step: int, load_dir: str) -> Iterator[None]:
