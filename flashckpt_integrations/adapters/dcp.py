@@ -182,7 +182,7 @@ class _Plan:
     """What the last full DCP save of a folder decided, reused while nothing about the state changes."""
 
     generation: int
-    signature: str
+    signature: tuple
     items: list[Any]
     name: str
     layout: list[tuple[int, int]]
@@ -212,10 +212,11 @@ def dcp_files(
     state_dict = _stateful_to_state_dict(as_stateful(state))
     key = (folder, id(process_group))
     cached = _plans.get(key) if planner is None else None
-    signature = _signature(state_dict)
+    flat = _flatten(state_dict)
+    signature = _signature(flat)
     files = None
     if cached is not None and cached.signature == signature:
-        files = _files_from_plan(cached, state_dict, folder)
+        files = _files_from_plan(cached, flat, state_dict, folder)
     votes = _check_in("dcp_files", process_group, timeout_s, vote=[cached.generation if cached else -1,
                                                                      files is not None])
     if files is not None and all(v == [cached.generation, True] for v in votes):
@@ -230,38 +231,75 @@ def dcp_files(
     return writer.files
 
 
-def _signature(state_dict: dict[str, Any]) -> str:
-    """Keys, types, shapes, dtypes and shard placements of the flattened state (not values)."""
+def _flatten(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state as DCP's default planner addresses it: one level, dotted keys."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(state_dict)[0]
+
+
+def _local(value: Any) -> torch.Tensor:
+    """A DTensor's local shard (its attribute: ``to_local()`` is an autograd call per tensor)."""
+    local = getattr(value, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else value.to_local()
+
+
+def _signature(flat: dict[str, Any]) -> tuple:
+    """Keys, types, shapes, dtypes and shard placements of the flattened state (not values)."""
     from torch.distributed.tensor import DTensor
 
-    flat, _ = flatten_state_dict(state_dict)
-    parts = []
+    parts: list[tuple] = []
     for name, value in flat.items():
         if isinstance(value, DTensor):
-            parts.append(f"{name}:D:{value.dtype}:{tuple(value.shape)}:{value.placements}:{id(value.device_mesh)}:"
-                         f"{tuple(value.to_local().shape)}")
+            parts.append((name, DTensor, value.dtype, value.shape, value.placements, id(value.device_mesh),
+                          _local(value).shape))
         elif isinstance(value, torch.Tensor):
-            parts.append(f"{name}:{type(value).__name__}:{value.dtype}:{tuple(value.shape)}")
+            parts.append((name, type(value), value.dtype, value.shape))
         else:
-            parts.append(f"{name}:{type(value).__name__}")
-    return "\n".join(parts)
+            parts.append((name, type(value)))
+    return tuple(parts)
 
 
-def _files_from_plan(plan: _Plan, state_dict: dict[str, Any], folder: str) -> dict[str, FileSpec] | None:
-    """The files of ``plan`` over the current values, or None when an item's size changed."""
-    planner = dcp.DefaultSavePlanner()
-    planner.set_up_planner(state_dict, is_coordinator=plan.metadata is not None)
+def _files_from_plan(plan: _Plan, flat: dict[str, Any], state_dict: dict[str, Any],
+                     folder: str) -> dict[str, FileSpec] | None:
+    """The files of ``plan`` over the current values, or None when an item's size changed.
+
+    Resolves each item as DCP's default planner does: the local shard of a DTensor, a plain
+    tensor as it is, anything else ``torch.save``d; other tensor types (ShardedTensor) go
+    through the planner itself.
+    """
+    from torch.distributed.tensor import DTensor
+
     parts: list[Any] = []
     for item in plan.items:
-        data = planner.resolve_data(item)
-        parts.append(data.getvalue() if isinstance(data, io.BytesIO) else data.detach())
+        value = flat.get(item.index.fqn)
+        if item.type == WriteItemType.BYTE_IO:
+            data = io.BytesIO()
+            torch.save(value, data)
+            parts.append(data.getvalue())
+        elif type(value) is DTensor and type(_local(value)) is torch.Tensor:
+            parts.append(_local(value).detach())
+        elif type(value) in (torch.Tensor, torch.nn.Parameter) and not any(item.index.offset or ()):
+            parts.append(value.detach())
+        else:
+            parts = _parts_by_planner(plan, state_dict)
+            break
     if parts_layout(parts) != plan.layout:
         return None
     files = {_join(folder, plan.name): FileSpec(parts, Codec.PARTS)}
     if plan.metadata is not None:
         files[_join(folder, METADATA_FILE)] = FileSpec(plan.metadata, Codec.BYTES)
     return files
+
+
+def _parts_by_planner(plan: _Plan, state_dict: dict[str, Any]) -> list[Any]:
+    planner = dcp.DefaultSavePlanner()
+    planner.set_up_planner(state_dict, is_coordinator=plan.metadata is not None)
+    parts: list[Any] = []
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        parts.append(data.getvalue() if isinstance(data, io.BytesIO) else data.detach())
+    return parts
 
 
 def save(
