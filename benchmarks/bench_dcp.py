@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sharded DCP checkpoints: the flash DCP layer against ``dcp.save`` and ``dcp.async_save``.
 
-    python benchmarks/bench_dcp.py                       # 1 GiB of DTensors over 2 ranks, 5 repeats
+    python benchmarks/bench_dcp.py                       # 2 GiB of DTensors over 2 ranks, 7 repeats
     python benchmarks/bench_dcp.py --gib 2 --repeats 7 --dir /mnt/nvme --json out.json
 
 Starts itself under torchrun (``--nproc`` ranks, gloo, CPU). The state is ``--tensors`` float32
@@ -40,9 +40,9 @@ GIB = 1 << 30
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=1.0, help="total size of the sharded state")
+    parser.add_argument("--gib", type=float, default=2.0, help="total size of the sharded state")
     parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5, help="measured repeats (plus one warm-up)")
+    parser.add_argument("--repeats", type=int, default=7, help="measured repeats (plus one warm-up)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--dir", default="/tmp", help="where checkpoints are written (a local disk)")
     parser.add_argument("--json", default=None, help="also write every sample here")
