@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--every", type=int, default=20, help="checkpoint every K steps")
+    parser.add_argument("--steps", type=int, default=90)
+    parser.add_argument("--every", type=int, default=30, help="checkpoint every K steps")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the training process (0: torch's default, one per core)")

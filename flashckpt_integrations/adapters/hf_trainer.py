@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import CheckpointerConfig
 from ..core.engine import Checkpointer
@@ -167,6 +168,11 @@ class FlashCkptTrainer(Trainer):
         if self.args.load_best_model_at_end and self._flash_keep_last() is not None:
             logger.warning("flashckpt: retention keeps the newest %d checkpoints and does not protect the best "
                            "one yet; load_best_model_at_end may not find it", self._flash_keep_last())
+        # Start the saver process now, while the job is still setting up, rather than beside the
+        # first training steps (where its start-up, ~2 s of CPU, slows them). Only once the ranks
+        # are known: the checkpointer takes them from the process group.
+        if self._flash_unsupported() is None and (self.args.world_size == 1 or dist.is_initialized()):
+            _ = self.flash_checkpointer
 
     # --- the checkpointer ------------------------------------------------------------------
 
