@@ -212,11 +212,13 @@ def dcp_files(
     state_dict = _stateful_to_state_dict(as_stateful(state))
     key = (folder, id(process_group))
     cached = _plans.get(key) if planner is None else None
-    flat = _flatten(state_dict)
-    signature = _signature(flat)
     files = None
-    if cached is not None and cached.signature == signature:
-        files = _files_from_plan(cached, flat, state_dict, folder)
+    signature: tuple = ()
+    if planner is None:  # a custom planner plans every save itself
+        flat = _flatten(state_dict)
+        signature = _signature(flat)
+        if cached is not None and cached.signature == signature:
+            files = _files_from_plan(cached, flat, state_dict, folder)
     votes = _check_in("dcp_files", process_group, timeout_s, vote=[cached.generation if cached else -1,
                                                                      files is not None])
     if files is not None and all(v == [cached.generation, True] for v in votes):
