@@ -149,10 +149,7 @@ class _SnapshotWriter(StorageWriter):
         # FileSystemWriter's order within a file: byte items first, then tensors
         items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-        parts: list[Any] = []
-        for item in items:
-            data = planner.resolve_data(item)
-            parts.append(data.getvalue() if isinstance(data, io.BytesIO) else data.detach())
+        parts = [_resolved(planner, item) for item in items]
         results = [
             WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
             for item, (offset, length) in zip(items, parts_layout(parts))
@@ -279,8 +276,8 @@ def _files_from_plan(plan: _Plan, flat: dict[str, Any], state_dict: dict[str, An
             data = io.BytesIO()
             torch.save(value, data)
             parts.append(data.getvalue())
-        elif type(value) is DTensor and type(_local(value)) is torch.Tensor:
-            parts.append(_local(value).detach())
+        elif type(value) is DTensor and type(local := _local(value)) is torch.Tensor:
+            parts.append(local.detach())
         elif type(value) in (torch.Tensor, torch.nn.Parameter) and not any(item.index.offset or ()):
             parts.append(value.detach())
         else:
@@ -297,11 +294,13 @@ def _files_from_plan(plan: _Plan, flat: dict[str, Any], state_dict: dict[str, An
 def _parts_by_planner(plan: _Plan, state_dict: dict[str, Any]) -> list[Any]:
     planner = dcp.DefaultSavePlanner()
     planner.set_up_planner(state_dict, is_coordinator=plan.metadata is not None)
-    parts: list[Any] = []
-    for item in plan.items:
-        data = planner.resolve_data(item)
-        parts.append(data.getvalue() if isinstance(data, io.BytesIO) else data.detach())
-    return parts
+    return [_resolved(planner, item) for item in plan.items]
+
+
+def _resolved(planner: Any, item: Any) -> Any:
+    """An item's part as the planner resolves it: bytes, or a detached tensor (a view, no copy)."""
+    data = planner.resolve_data(item)
+    return data.getvalue() if isinstance(data, io.BytesIO) else data.detach()
 
 
 def save(
