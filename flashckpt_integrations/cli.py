@@ -12,38 +12,32 @@ import argparse
 import glob
 import json
 import os
-import re
 import shutil
 import sys
 import threading
 import time
 from typing import IO, Any
 
-from .core.client import job_key, saver_running, user_run_root
+from . import knobs
+from .core.client import job_id_for, job_key, saver_running, user_run_root
 from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
 from .core.rescue import RescueStatus, job_slots, persist_newest
 from .core.shm_buffer import Slot
 from .core.storage import storage_from_url
 from .errors import FlashCkptError
 
-_SLOT_RE = re.compile(r"-r(\d+)-(\d)$")
-
 
 def _url(path: str) -> str:
     return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
-def _slots(url: str, job_id: str | None, shm_dir: str) -> list[tuple[int, str]]:
-    key = job_key(job_id or url)
-    found = []
-    for path in glob.glob(os.path.join(shm_dir, f"flashckpt-{os.getuid()}-{key}-r*-*")):
-        match = _SLOT_RE.search(path)
-        if match:
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+def _slots(url: str, job_id: str | None, shm_dir: str | None) -> list[tuple[int, str]]:
+    """This host's slots of the job, named as its Checkpointer names them (``job_id``, else
+    ``$FLASHCKPT_JOB_ID``, else ``url``; ``shm_dir``, else ``$FLASHCKPT_SHM_DIR``, else /dev/shm)."""
+    return sorted((rank, path) for rank, paths in job_slots(url, job_id, shm_dir).items() for path in paths)
 
 
-def _memory(url: str, job_id: str | None, shm_dir: str) -> list[dict[str, Any]]:
+def _memory(url: str, job_id: str | None, shm_dir: str | None) -> list[dict[str, Any]]:
     rows = []
     for rank, path in _slots(url, job_id, shm_dir):
         slot = Slot.attach(path)
@@ -89,7 +83,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     layout = Layout()
     ranks = []
     for rank in range(record["world_size"]):
-        marker = read_json(storage, layout.rank_marker(args.step, rank))
+        marker = read_json(storage, layout.rank_marker(args.step, rank, sid=record.get("sid", "")))
         ranks.append({"rank": rank, "files": marker["files"]})
     if args.json:
         print(json.dumps({"commit": record, "ranks": ranks}, indent=1))
@@ -109,7 +103,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     for _, path in _slots(url, args.job_id, args.shm_dir):
         os.unlink(path)
         removed += 1
-    run_dirs = glob.glob(os.path.join(user_run_root(), f"{job_key(args.job_id or url)}-*"))
+    run_dirs = glob.glob(os.path.join(user_run_root(), f"{job_key(job_id_for(url, args.job_id))}-*"))
     live = [d for d in run_dirs if saver_running(d)]
     for run_dir in run_dirs:
         if run_dir not in live:  # a finished job's socket, locks, slot records and saver log
@@ -125,8 +119,10 @@ def cmd_persist(args: argparse.Namespace) -> int:
     url = _url(args.dir)
     slots = job_slots(url, args.job_id, args.shm_dir)
     if not slots:
-        print(f"no shared memory of the job saving to {url} on this host (looked in {args.shm_dir}"
-              f"{', job id ' + args.job_id if args.job_id else ''}); nothing to persist", file=sys.stderr)
+        job_id = job_id_for(None, args.job_id)
+        print(f"no shared memory of the job saving to {url} on this host (looked in "
+              f"{args.shm_dir or knobs.get(knobs.SHM_DIR, '/dev/shm')}{', job id ' + job_id if job_id else ''}); "
+              "nothing to persist", file=sys.stderr)
         return 1
     bar = _ProgressBar(sys.stderr)
     try:
@@ -175,8 +171,10 @@ class _ProgressBar:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashckpt", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shm-dir", default="/dev/shm")
-    parser.add_argument("--job-id", default=None, help="the job id, when the job set one explicitly")
+    parser.add_argument("--shm-dir", default=None,
+                        help=f"where the job's slots are (default: ${knobs.SHM_DIR}, else /dev/shm)")
+    parser.add_argument("--job-id", default=None,
+                        help=f"the job id, when the job set one in its config (default: ${knobs.JOB_ID}, else DIR)")
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="committed steps and in-memory snapshots")
     ls.add_argument("dir")

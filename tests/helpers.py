@@ -80,6 +80,13 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def marker_names(marker_dir: Any) -> list[str]:
+    """The names in a step's marker directory, with each save id left out (``rank-0.a3.done`` -> ``rank-0.done``)."""
+    import re
+
+    return sorted(re.sub(r"^(rank-\d+)\.[^.]+\.(done|failed)$", r"\1.\2", name) for name in os.listdir(marker_dir))
+
+
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 

@@ -8,6 +8,8 @@ is unset every point is a call that returns at once. Points:
 ``trainer.sealed``   the trainer, between sealing a slot and asking the saver to persist it
 ``saver.write``      the saver, in the middle of writing a file (before each tensor's bytes)
 ``saver.commit``     the committer, once every rank's done marker exists, before the commit
+``saver.supersede``  the committer, after the commit record switched to a save that replaces a
+                     committed one, before its files are moved into the step's directory
 ``retention.delete`` the committer's retention, after a step lost its commit record and
                      before its files are deleted
 
@@ -27,7 +29,7 @@ from .. import knobs
 
 logger = logging.getLogger(__name__)
 
-POINTS = ("trainer.copy", "trainer.sealed", "saver.write", "saver.commit", "retention.delete")
+POINTS = ("trainer.copy", "trainer.sealed", "saver.write", "saver.commit", "saver.supersede", "retention.delete")
 
 
 def parse(spec: str | None) -> dict[str, int]:

@@ -22,3 +22,14 @@ def lock_held(path: str, *, exclusive_only: bool = False) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``: a lock taken on a file that was
+    unlinked (or replaced) meanwhile guards nothing, and is taken again on the new one."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)

@@ -24,9 +24,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from .. import knobs
-from .._utils.locks import lock_held
+from .._utils.locks import lock_held, same_file
 from ..errors import SaverProcessError
-from .protocol import LOCK_NAME, LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
+from .protocol import LOCK_NAME, LOG_NAME, SLOTS_FILE, SOCKET_NAME, SPAWN_LOCK_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,26 @@ def job_key(job_id: str) -> str:
     return hashlib.sha1(job_id.encode()).hexdigest()[:12]
 
 
+def job_id_for(checkpoint_url: str | None, job_id: str | None = None) -> str | None:
+    """The id of the job that saves to ``checkpoint_url``, resolved the one way every part of the
+    package does (the Checkpointer, the launcher, ``flashckpt``): ``job_id`` when one was given
+    (``CheckpointerConfig.job_id``, ``--job-id``), else ``$FLASHCKPT_JOB_ID``, else the checkpoint
+    directory's URL itself (None when there is none)."""
+    return job_id or knobs.get(knobs.JOB_ID) or checkpoint_url
+
+
 def private_dir(path: str) -> str:
     """Create ``path`` with mode 0700, or check that an existing one is ours and private."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
+    while True:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        try:
+            st = os.lstat(path)
+            break
+        except FileNotFoundError:  # an exiting saver removed its run directory just now: make it anew
+            continue
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise SaverProcessError(
             f"{path} must be a directory owned by uid {os.getuid()} with mode 0700, found uid "
@@ -143,10 +156,8 @@ class SaverClient:
 
     def _spawn_if_absent(self) -> bool:
         """Start a saver unless one answers once the spawn lock is ours; True when connected."""
-        lock_path = os.path.join(self.run_dir, SPAWN_LOCK_NAME)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = self._spawn_lock()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             if self._try_connect():
                 return True
             if saver_running(self.run_dir):  # one is starting: connect once it listens, start no other
@@ -165,6 +176,21 @@ class SaverClient:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         return False
+
+    def _spawn_lock(self) -> int:
+        """Hold the run directory's spawn lock (made anew, with the directory, when the saver of an
+        earlier run removed them on its way out)."""
+        lock_path = os.path.join(self.run_dir, SPAWN_LOCK_NAME)
+        while True:
+            private_dir(self.run_dir)
+            try:
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:  # the directory went between the two calls
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if same_file(fd, lock_path):
+                return fd
+            os.close(fd)  # unlinked by the exiting saver while this waited for it
 
     def _start_saver(self) -> subprocess.Popen | None:
         """Start the node's saver; return its process (overrides may return None: not watched)."""
@@ -239,6 +265,9 @@ class SaverClient:
                 future.set_exception(SaverProcessError("the saver process exited before it answered"))
 
     def close(self, clean: bool) -> None:
+        if clean:  # the rank's slots go with it: no saver needs to find them, and the run directory may go
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.run_dir, SLOTS_FILE.format(rank=self.rank)))
         if self._sock is None:
             return
         with contextlib.suppress(Exception):

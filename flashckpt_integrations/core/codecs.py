@@ -23,6 +23,7 @@ from ..errors import CorruptCheckpointError
 from .shm_buffer import Slot
 from .state import SAFE_GLOBALS, Codec, rebuild_safetensors, tensor_part_pickle, unpickle_torch
 from .storage import Storage
+from .torchzip import TorchZipWriter, archive_size, crc32_combine
 
 _TORCH_STORAGE_ALIGNMENT = 64
 
@@ -31,11 +32,12 @@ class _ChecksumWriter:
     """File-like wrapper that counts what passes through it and checksums it on a helper thread.
 
     ``zlib.crc32`` releases the GIL, so the checksum runs beside the writes. Small chunks are
-    copied before they are queued (the zip writer reuses its header buffers); large ones are
-    views of the slot, which stays mapped and unchanged while the file is written.
+    copied before they are queued (unless they are ``bytes``); large ones are views of the slot,
+    which stays mapped and unchanged while the file is written. :meth:`write_crc32` also hands
+    back a chunk's own CRC-32 (a zip record's), computed beside its write and folded into the
+    file's with :func:`crc32_combine`, so the bytes are checksummed once.
 
-    A write error is kept, not raised: torch's zip writer aborts the process when a write
-    fails under it, so the error is raised by :meth:`finish` once the writer is done.
+    A write error is kept, not raised, and later writes are skipped: :meth:`finish` raises it.
     """
 
     _COPY_BELOW = 1 << 20
@@ -44,7 +46,6 @@ class _ChecksumWriter:
         self._f = f
         self.size = 0
         self.error: OSError | None = None
-        self.discarded = False
         self._crc = 0
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._checksum, name="flashckpt-crc32", daemon=True)
@@ -52,24 +53,42 @@ class _ChecksumWriter:
 
     def _checksum(self) -> None:
         while (chunk := self._chunks.get()) is not None:
-            self._crc = zlib.crc32(chunk, self._crc)
-
-    def discard(self) -> None:
-        """Drop whatever is written from now on (the file is being abandoned)."""
-        self.discarded = True
+            if isinstance(chunk, tuple):  # (view, reply): the view's own CRC is wanted
+                view, reply = chunk
+                try:
+                    crc = zlib.crc32(view)
+                    self._crc = crc32_combine(self._crc, crc, len(view))
+                    reply.put(crc)
+                except BaseException as exc:  # never leave the writer waiting
+                    reply.put(exc)
+                    raise
+            else:
+                self._crc = zlib.crc32(chunk, self._crc)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if self.discarded:
-            return len(view)
-        self._chunks.put(bytes(view) if len(view) < self._COPY_BELOW else view)
+        self._chunks.put(data if type(data) is bytes else bytes(view) if len(view) < self._COPY_BELOW else view)
+        self._write(view)
+        return len(view)
+
+    def write_crc32(self, data: Any) -> int:
+        """Write ``data`` and return its CRC-32, computed on the helper thread during the write."""
+        view = memoryview(data).cast("B")
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        self._chunks.put((view, reply))
+        self._write(view)
+        crc = reply.get()
+        if isinstance(crc, BaseException):
+            raise crc
+        return crc
+
+    def _write(self, view: memoryview) -> None:
         if self.error is None:
             try:
                 self._f.write(view)
             except OSError as exc:
                 self.error = exc
         self.size += len(view)
-        return len(view)
 
     def flush(self) -> None:
         self._f.flush()
@@ -121,67 +140,28 @@ def _write_torch(
     out: _ChecksumWriter, slot: Slot, pickle_bytes: bytes, storages: dict[str, int], regions: list[list[int]],
     ready: Callable[[int], None],
 ) -> None:
-    """Write the zip layout of ``torch.save`` (same records, same order)."""
-    writer = torch._C.PyTorchFileWriter(out, False, _TORCH_STORAGE_ALIGNMENT)
-    try:
-        writer.write_record("data.pkl", pickle_bytes, len(pickle_bytes))
-        writer.write_record(".format_version", "1", 1)
-        alignment = str(_TORCH_STORAGE_ALIGNMENT)
-        writer.write_record(".storage_alignment", alignment, len(alignment))
-        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for key in sorted(storages, key=int):
-            offset, nbytes = regions[storages[key]]
-            ready(storages[key])
-            if nbytes:
-                writer.write_record(f"data/{key}", slot.storage(offset, nbytes), nbytes)
-            else:
-                writer.write_record(f"data/{key}", b"", 0)
-    except BaseException:
-        # Finish the zip into the void: left unfinished, the writer would write (and abort
-        # the process) when it is destroyed.
-        out.discard()
-        writer.write_end_of_file()
-        raise
-    writer.write_end_of_file()
-
-
-class _SizingSink:
-    """Counts the bytes a zip writer would produce; data records are skipped over, never read."""
-
-    def __init__(self) -> None:
-        self.pos = self.end = 0
-
-    def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
-        self.pos += n
-        self.end = max(self.end, self.pos)
-        return n
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.end + offset
-        self.end = max(self.end, self.pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        pass
+    """Write what ``torch.save`` writes (same records, same order, same bytes; see :mod:`.torchzip`)."""
+    writer = TorchZipWriter(out, alignment=_TORCH_STORAGE_ALIGNMENT, write_crc32=out.write_crc32)
+    writer.write_record("data.pkl", pickle_bytes)
+    writer.write_record(".format_version", "1")
+    writer.write_record(".storage_alignment", str(_TORCH_STORAGE_ALIGNMENT))
+    writer.write_record("byteorder", sys.byteorder)
+    for key in sorted(storages, key=int):
+        if out.error is not None:
+            return  # the file is lost: write_file raises the error, no need to wait for the rest
+        offset, nbytes = regions[storages[key]]
+        ready(storages[key])  # the region is in the slot before any of it is read
+        writer.write_record(f"data/{key}", slot.memoryview(offset, nbytes) if nbytes else b"")
+    writer.finish()
 
 
 @functools.lru_cache(maxsize=4096)
 def torch_file_size(pickle_len: int, nbytes: int) -> int:
     """Size of the file :func:`_write_torch` writes for one storage of ``nbytes`` (as ``torch.save``)."""
-    sink = _SizingSink()
-    writer = torch._C.PyTorchFileWriter(sink, False, _TORCH_STORAGE_ALIGNMENT)
-    writer.write_record("data.pkl", b"\0" * pickle_len, pickle_len)
-    writer.write_record(".format_version", "1", 1)
-    alignment = str(_TORCH_STORAGE_ALIGNMENT)
-    writer.write_record(".storage_alignment", alignment, len(alignment))
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    writer.write_record_metadata("data/0", nbytes)
-    writer.write_end_of_file()
-    return sink.end
+    return archive_size([
+        ("data.pkl", pickle_len), (".format_version", 1), (".storage_alignment", len(str(_TORCH_STORAGE_ALIGNMENT))),
+        ("byteorder", len(sys.byteorder)), ("data/0", nbytes),
+    ], alignment=_TORCH_STORAGE_ALIGNMENT)
 
 
 def parts_layout(parts: list[Any]) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._utils.devices import synchronize_devices
 from ..errors import SharedMemoryError
+from . import commit as commit_protocol
 from .codecs import write_file
 from .layout import Layout, write_rank_done, write_rank_failed
 from .results import SaveResult, SaveStatus
@@ -69,15 +70,12 @@ def fallback(
 
 def _persist(storage: Storage, layout: Layout, plan: SnapshotPlan, request: dict[str, Any]) -> None:
     """Write one rank's files and its done marker (or its failed marker), as ``Saver.persist`` does."""
-    from .saver import _claim_step  # imported here: ``python -m ...core.saver`` must find it unimported
-
-    rank, step = int(request["rank"]), int(request["step"])
     try:
-        _claim_step(storage, layout, step, rank)
-        entries = _write_files(storage, layout.write_path(step), plan)
-        write_rank_done(storage, layout, request, entries)
+        base = commit_protocol.claim(storage, layout, request)
+        entries = _write_files(storage, base, plan)
+        write_rank_done(storage, layout, request, entries, base)
     except Exception as exc:
-        write_rank_failed(storage, layout, step, rank, exc)
+        write_rank_failed(storage, layout, request, exc)
         raise
 
 

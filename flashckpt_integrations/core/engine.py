@@ -41,10 +41,10 @@ from ..errors import (
     SaverProcessError,
     SharedMemoryError,
 )
-from . import collectives, direct
-from .client import SaverClient, job_key, run_dir_for
+from . import collectives, direct, lineage
+from .client import SaverClient, job_id_for, job_key, run_dir_for
 from .codecs import decode_from_slot, read_file
-from .layout import FAILED, Layout, commit_record, committed_steps, read_json
+from .layout import FAILED, Layout, commit_record, commit_records, files_dir, read_json
 from .protocol import SLOTS_FILE
 from .restore import copy_into_target, is_files
 from .results import LoadResult, PersistResult, SaveResult, SaveStatus
@@ -80,7 +80,7 @@ class Checkpointer:
         self.url = url if "://" in url else os.path.abspath(os.path.expanduser(url))
         self.storage = storage_from_url(self.url, self.config.storage_options, self.config.storage_factory)
         self.layout: Layout = self.config.layout
-        job = self.config.job_id or knobs.get(knobs.JOB_ID) or self.url
+        job = job_id_for(self.url, self.config.job_id)
         self.job_key = job_key(job)
         node = self.config.node_id or knobs.get(knobs.NODE_ID) or (
             f"{socket.gethostname()}-{os.environ.get('GROUP_RANK', '0')}"
@@ -100,6 +100,9 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._lock = threading.RLock()
         self._closed = False
+        self._view: lineage.View | None = None
+        self._decided = False
+        self._saves_of: dict[int, int] = {}
         self._seq = self._newest_seq() + 1
         self._record_slot_paths()
         self._requester = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-request")
@@ -159,31 +162,44 @@ class Checkpointer:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        result = self._save(step, state, files, persist, async_snapshot, metadata)
+        return self._finish(result, started)
+
+    def _save(
+        self, step: int, state: Any, files: Mapping[str, Any] | None, persist: bool, async_snapshot: bool | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> SaveResult:
         specs = normalize_files(self._files(state, files))
         overlap = self.config.async_snapshot if async_snapshot is None else async_snapshot
+        if not self._decided:  # neither load() nor start_attempt(): this attempt starts from scratch
+            self.start_attempt(None)
         with self._lock:
             self.wait_for_snapshot()
             plan = plan_snapshot(specs)
             end = plan.layout(HEADER_SIZE)
+            view = self._lineage_view()
             meta = {
                 "format": 1, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "job": self.job_key, "time": time.time(), "user": dict(metadata or {}), **plan.metadata(),
                 "persist_target": self._persist_target(),  # lets a launcher or the CLI persist it later
+                "tag": view.tag(),
             }
             index, reason = self._choose_slot()
             if index is None:
-                return self._finish(SaveResult(step, SaveStatus.SKIPPED, reason), started)
+                return SaveResult(step, SaveStatus.SKIPPED, reason)
             seq = self._seq
+            sid = self._save_id(step, view) if persist else ""
             if persist:  # in the slot too: a saver persists it even if this process dies before asking
-                meta["persist"] = self._persist_request(step, seq, self.slot_paths[index])
+                meta["persist"] = self._persist_request(step, seq, self.slot_paths[index], sid)
             raw_meta = json.dumps(meta, separators=(",", ":")).encode()
             try:
                 slot = self._ensure_slot(index, end + len(raw_meta), pin=on_device(plan))
             except SharedMemoryError as exc:
-                return self._finish(direct.fallback(self, step, plan, meta, persist, exc), started)
+                return direct.fallback(self, step, plan, meta, persist, exc)
             self._seq += 1
-            if self._slots[1 - index] is None:  # the other slot is created off the training path
-                self._background.submit(self._prepare_slot, 1 - index, slot.size, on_device(plan))
+            if self._slots[1 - index] is None:  # the other slot is created off the training path, sized
+                # for this state as this one was (its headroom is added once, by the slot, not twice)
+                self._background.submit(self._prepare_slot, 1 - index, end + len(raw_meta), on_device(plan))
             slot.begin_write(step, seq)
             if persist:
                 slot.mark_persist_requested(seq)
@@ -191,8 +207,8 @@ class Checkpointer:
                 slot.write_blob(offset, blob)
             durable: Future | None = Future() if persist else None
             status = SaveStatus.PERSISTING if persist else SaveStatus.IN_MEMORY
-            result = SaveResult(step, status, _durable=durable, _poll_commit=self._poll_commit)
-            args = (index, slot, plan, step, seq, end, raw_meta, durable)
+            result = SaveResult(step, status, _durable=durable, _poll_commit=self._commit_poller(sid))
+            args = (index, slot, plan, step, seq, sid, end, raw_meta, durable)
             events = record_device_events(plan)
             if overlap:
                 self._snapshot = self._copier.submit(self._complete, *args, events)
@@ -201,7 +217,7 @@ class Checkpointer:
                 error = self._complete(*args, events)
                 if error is not None:
                     result.status, result.reason = SaveStatus.FAILED, error
-        return self._finish(result, started)
+        return result
 
     def wait_for_snapshot(self) -> None:
         """Block until an overlapped snapshot copy has finished."""
@@ -224,8 +240,60 @@ class Checkpointer:
         return None if newest is None else newest.wait()
 
     def committed_steps(self) -> list[int]:
-        """Steps committed on storage, ascending."""
-        return committed_steps(self.storage)
+        """Steps committed on storage by this attempt's lineage (see :mod:`.lineage`), ascending.
+
+        Commits of attempts that this one did not continue (a run restarted from scratch in the
+        same directory, a resume from an older checkpoint) are not listed: they are never loaded.
+        """
+        return sorted(self._commit_records())
+
+    def _commit_records(self) -> dict[int, dict[str, Any]]:
+        view = self._lineage_view()
+        return {step: record for step, record in commit_records(self.storage).items() if view.accepts(record, step)}
+
+    def start_attempt(self, resumed_step: int | None = None) -> None:
+        """Say how this attempt starts (collective, once; ``load()`` and the first ``save()`` say it
+        themselves when it was not said before).
+
+        ``None``: from scratch. Snapshots and commits of earlier attempts are then never loaded
+        by this attempt or its restarts, and its saves of steps they committed replace them.
+        A step: resumed from that committed step by other code (a framework's own loader);
+        this attempt continues the lineage of that commit.
+        """
+        self._check_open()
+        if self._decided:
+            return
+        parent = None
+        if resumed_step is not None:
+            parent = self._commit_records().get(resumed_step)
+            if parent is None:
+                raise CheckpointNotFoundError(
+                    f"step {resumed_step} is not a committed step of {self.url} (committed: {self.committed_steps()})")
+        self._begin(parent, resumed_step)
+
+    def _begin(self, parent: Mapping[str, Any] | None, fork_step: int | None) -> None:
+        """Record this attempt's lineage (rank 0) and share its view with every rank."""
+        if self._world_agrees():
+            view = lineage.begin(self.storage, parent, fork_step) if self.rank == 0 else None
+            view_dict = collectives.all_gather_object(view.to_dict() if view is not None else None,
+                                                      self.world_size, self.process_group)[0]
+            view = lineage.View.from_dict(view_dict)
+        else:  # ranks without a process group cannot agree on a new lineage: they continue the newest
+            current = lineage.provisional_view(self.storage)
+            view = lineage.View(lineage.ensure_identity(self.storage), current.caps[0][0], current.caps)
+        self._view, self._decided = view, True
+        logger.debug("[RANK %d] attempt lineage %s (resumed %s at %s)", self.rank, view.lineage,
+                     parent and parent.get("lineage"), fork_step)
+
+    def _world_agrees(self) -> bool:
+        """Whether the ranks can agree through a collective (a process group, or one rank)."""
+        return self.world_size == 1 or collectives._initialized()
+
+    def _lineage_view(self) -> lineage.View:
+        """What this attempt may load: decided, or (before it decides) the newest lineage's view."""
+        if self._view is None:
+            self._view = lineage.provisional_view(self.storage)
+        return self._view
 
     def memory_steps(self) -> list[int]:
         """Steps held complete in this rank's slots, ascending."""
@@ -250,7 +318,8 @@ class Checkpointer:
         self.wait_for_snapshot()
         weights_only = self.config.weights_only if weights_only is None else weights_only
         memory = self._memory_snapshots() if prefer_memory else {}
-        committed = self.committed_steps()
+        records = self._commit_records()
+        committed = sorted(records)
         views = collectives.all_gather_object([sorted(memory), committed[-1] if committed else None],
                                               self.world_size, self.process_group)
         in_every_rank = set.intersection(*(set(v[0]) for v in views)) if views else set()
@@ -261,6 +330,12 @@ class Checkpointer:
             step = chosen_memory if chosen_memory is not None else newest_commit
         else:
             chosen_memory = step if step in in_every_rank else None
+        if not self._decided:  # this attempt continues the lineage of what it loads, or starts one
+            if step is None:
+                self._begin(None, None)
+            else:
+                tag = memory[step][1].get("tag") if chosen_memory is not None else self._any_record(step, records)
+                self._begin(tag, step)
         if step is None:
             return None
         started = time.perf_counter()
@@ -286,8 +361,12 @@ class Checkpointer:
         record = commit_record(self.storage, step)
         if record is None:
             raise CheckpointNotFoundError(f"step {step} is not committed in {self.url}")
-        base = self.layout.step_path(step)
+        base = files_dir(self.storage, self.layout, step, record)
         return read_file(self.storage, f"{base}/{path}", Codec(codec), **kwargs)
+
+    def _any_record(self, step: int, records: Mapping[int, dict[str, Any]]) -> dict[str, Any] | None:
+        """The commit record of ``step``: this lineage's, or (an explicit older step) any commit's."""
+        return records.get(step) or commit_record(self.storage, step)
 
     def close(self, *, wait: bool = True) -> None:
         """Finish in-flight work, leave the saver, and free this rank's shared memory."""
@@ -331,7 +410,7 @@ class Checkpointer:
         return files if files is not None else {STATE_FILE.format(rank=self.rank): FileSpec(state)}
 
     def _complete(
-        self, index: int, slot: Slot, plan: Any, step: int, seq: int, meta_offset: int, raw_meta: bytes,
+        self, index: int, slot: Slot, plan: Any, step: int, seq: int, sid: str, meta_offset: int, raw_meta: bytes,
         durable: Future | None, events: list[Any],
     ) -> str | None:
         """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None.
@@ -344,7 +423,7 @@ class Checkpointer:
             slot.write_metadata(step, seq, meta_offset, raw_meta)
             if stream:
                 self._persisting[index] = durable
-                self._requester.submit(self._request_persist, slot, step, seq, durable)
+                self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
             wait_device_events(events)
             copy_regions(plan, slot.buffer, after_region(slot.publish_copied if stream else None))
             synchronize_devices(plan)
@@ -359,7 +438,7 @@ class Checkpointer:
             return error
         if durable is not None and not stream:
             self._persisting[index] = durable
-            self._requester.submit(self._request_persist, slot, step, seq, durable)
+            self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
         return None
 
     def _connect_quietly(self) -> None:
@@ -377,13 +456,13 @@ class Checkpointer:
         except SaverProcessError as exc:
             logger.debug("[RANK %d] could not announce slot %s: %s", self.rank, path, exc)
 
-    def _request_persist(self, slot: Slot, step: int, seq: int, durable: Future) -> None:
+    def _request_persist(self, slot: Slot, step: int, seq: int, sid: str, durable: Future) -> None:
         """Hand a sealed slot to the saver and wait until the rank's files are durable.
 
         Runs on the request thread, in save order. A saver that dies is restarted and asked
         again once: the slot still holds the snapshot, and rewriting files is idempotent.
         """
-        request = {"op": "persist", **self._persist_request(step, seq, slot.path)}
+        request = {"op": "persist", **self._persist_request(step, seq, slot.path, sid)}
         answer: dict[str, Any] = {}
         for attempt in range(2):
             try:
@@ -402,10 +481,16 @@ class Checkpointer:
             answer = {"ok": False, "error": error}
         durable.set_result(answer)
 
-    def _persist_request(self, step: int, seq: int, slot_path: str) -> dict[str, Any]:
+    def _persist_request(self, step: int, seq: int, slot_path: str, sid: str) -> dict[str, Any]:
         """What the saver needs to persist one snapshot (sent to it, and kept in the slot)."""
         return {"rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq, "slot": slot_path,
-                **self._persist_target()}
+                "sid": sid, "tag": self._lineage_view().tag(), **self._persist_target()}
+
+    def _save_id(self, step: int, view: lineage.View) -> str:
+        """The id of this attempt's next persisted save of ``step``: the same on every rank."""
+        count = self._saves_of.get(step, 0)
+        self._saves_of[step] = count + 1
+        return f"a{view.lineage}" + (f"g{count}" if count else "")
 
     def _persist_target(self) -> dict[str, Any]:
         """Where and how this rank's snapshots are persisted; every slot's metadata carries it."""
@@ -423,8 +508,11 @@ class Checkpointer:
                 json.dump({"rank": self.rank, "slots": self.slot_paths}, f)
             os.replace(path + ".tmp", path)
 
-    def _poll_commit(self, step: int, timeout: float | None = None) -> PersistResult:
-        """Watch storage until ``step`` is committed or failed (works on every node)."""
+    def _commit_poller(self, sid: str) -> Any:
+        return lambda step, timeout=None: self._poll_commit(step, timeout, sid)
+
+    def _poll_commit(self, step: int, timeout: float | None = None, sid: str = "") -> PersistResult:
+        """Watch storage until save ``sid`` of ``step`` is committed or failed (works on every node)."""
         limit = self.config.commit_timeout_s + 30
         deadline = time.monotonic() + (limit if timeout is None else min(timeout, limit))
         marker_dir = Layout.marker_dir(step)
@@ -432,14 +520,15 @@ class Checkpointer:
         while time.monotonic() < deadline:
             try:
                 names = set(self.storage.list(marker_dir))
-                if "COMMITTED" in names:
+                if "COMMITTED" in names and (commit_record(self.storage, step) or {}).get("sid", "") == sid:
                     return PersistResult(step, True)
                 if not names and any(s > step for s in self.committed_steps()):
                     return PersistResult(step, True)  # this rank's marker was there: retention deleted the step
                 if FAILED in names:
                     failure = read_json(self.storage, f"{marker_dir}/{FAILED}")
-                    mine = read_json(self.storage, self.layout.rank_marker(step, self.rank))
-                    if failure.get("time", 0) >= mine.get("time", 0):  # else: an earlier attempt's
+                    mine_path = self.layout.rank_marker(step, self.rank, sid=sid)
+                    mine = read_json(self.storage, mine_path) if self.storage.exists(mine_path) else {}
+                    if failure.get("sid", "") == sid and failure.get("time", 0) >= mine.get("time", 0):
                         reason = failure.get("reason")
                         logger.error("[RANK %d] step %d was not committed: %s", self.rank, step, reason)
                         return PersistResult(step, False, reason)
@@ -530,14 +619,14 @@ class Checkpointer:
         return max(seqs)
 
     def _finish(self, result: SaveResult, started: float) -> SaveResult:
-        result.blocking_s = time.perf_counter() - started
         if result.status in (SaveStatus.SKIPPED, SaveStatus.FAILED):
             logger.error("[RANK %d] save of step %d %s: %s", self.rank, result.step, result.status.value, result.reason)
         elif result.status is SaveStatus.PERSISTING:
             self._pending = [r for r in self._pending if not r._durable.done()] + [result]
             self._newest_persist = result
-            logger.debug("[RANK %d] step %d %s, blocked %.3fs", self.rank, result.step, result.status.value,
-                         result.blocking_s)
+        result.blocking_s = time.perf_counter() - started  # the whole call: what the caller was held
+        logger.debug("[RANK %d] step %d %s, blocked %.3fs", self.rank, result.step, result.status.value,
+                     result.blocking_s)
         return result
 
     # --- loading internals -----------------------------------------------------------------
@@ -559,9 +648,28 @@ class Checkpointer:
                 logger.warning("[RANK %d] snapshot of step %s was taken by rank %s of %s ranks; not used",
                                self.rank, header.step, meta.get("rank"), meta.get("world_size"))
                 continue
+            if not self._accept_snapshot(slot, header.step, meta):
+                continue
             if header.step not in found or found[header.step][0] < header.seq:
                 found[header.step] = (header.seq, slot, meta)
         return {step: (slot, meta) for step, (_, slot, meta) in found.items()}
+
+    def _accept_snapshot(self, slot: Slot, step: int, meta: dict[str, Any]) -> bool:
+        """Whether a complete snapshot belongs to this attempt's view; one of a deleted or replaced
+        directory is discarded (its slot is reused by the next save)."""
+        view = self._lineage_view()
+        tag = meta.get("tag")
+        if view.accepts(tag, step):
+            return True
+        if view.foreign_directory(tag) or (view.dir_id is None and (tag or {}).get("dir") is not None):
+            logger.warning("[RANK %d] the snapshot of step %d in memory belongs to an earlier %s that was deleted or "
+                           "replaced since; it is discarded", self.rank, step, self.url)
+            if not _locked_by_saver(slot):
+                slot.invalidate()
+        else:
+            logger.info("[RANK %d] the snapshot of step %d in memory belongs to an attempt that this one does not "
+                        "continue (lineage %s); not used", self.rank, step, (tag or {}).get("lineage", 0))
+        return False
 
     def _load_from_storage(self, step: int, weights_only: bool, map_location: Any) -> dict[str, Any]:
         record = commit_record(self.storage, step)
@@ -574,8 +682,8 @@ class Checkpointer:
                 f"step {step} was saved by {record['world_size']} ranks and this job has {self.world_size}; "
                 "read the files you need with Checkpointer.read_file() or use an adapter that reshards"
             )
-        marker = read_json(self.storage, self.layout.rank_marker(step, self.rank))
-        base = self.layout.step_path(step)
+        marker = read_json(self.storage, self.layout.rank_marker(step, self.rank, sid=record.get("sid", "")))
+        base = files_dir(self.storage, self.layout, step, record)
         return {
             entry["path"]: read_file(self.storage, f"{base}/{entry['path']}", Codec(entry["codec"]),
                                      expected=entry, weights_only=weights_only, map_location=map_location)

@@ -3,15 +3,21 @@
 For step ``N`` with ``step_dir="step-{step}"``::
 
     <root>/step-N/...                          the ranks' files (the framework's native layout)
-    <root>/.flashckpt/steps/N/rank-<r>.done    rank r's files are durable (JSON: paths, sizes, crc32)
-    <root>/.flashckpt/steps/N/rank-<r>.failed  rank r could not persist (JSON: the error)
-    <root>/.flashckpt/steps/N/COMMITTED        written once, by the committer, after every marker
-    <root>/.flashckpt/steps/N/FAILED           the commit gave up (JSON: why)
+    <root>/.flashckpt/steps/N/rank-<r>.<sid>.done    rank r's files of save <sid> are durable
+                                                     (JSON: paths, sizes, crc32, where they are)
+    <root>/.flashckpt/steps/N/rank-<r>.<sid>.failed  rank r could not persist (JSON: the error)
+    <root>/.flashckpt/steps/N/COMMITTED        the commit record: which save of step N counts
+    <root>/.flashckpt/steps/N/FAILED           the newest save of step N gave up (JSON: why)
+    <root>/.flashckpt/steps/N/DELETING         retention is deleting step N (written before COMMITTED goes)
     <root>/<tracker>                           e.g. "latest", written just before COMMITTED
 
-With ``staging`` the ranks write under ``.flashckpt/staging/step-N/`` and the committer renames
-that directory to ``step-N`` before it writes COMMITTED, so a reader that finds checkpoints by
-directory name (as HF's ``get_last_checkpoint`` does) never sees a partial one.
+A save id (``sid``) names one save of a step by one attempt (its lineage, see :mod:`.lineage`),
+so two attempts that save the same step never share a marker or a file. With ``staging`` the
+ranks write under ``.flashckpt/staging/<sid>/step-N/`` and the committer renames that directory
+to ``step-N`` when it commits, so a reader that finds checkpoints by directory name (as HF's
+``get_last_checkpoint`` does) never sees a partial one. A save of a step that is committed
+already is always staged: the old files stay the ones that load until the new commit record
+names the new ones (:func:`files_dir`).
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..errors import StorageError
 from .storage import Storage, write_bytes
 
 META_DIR = ".flashckpt"
 COMMITTED = "COMMITTED"
 FAILED = "FAILED"
+DELETING = "DELETING"
+"""Retention's tombstone: a step that has it and no COMMITTED is a half-deleted leftover, never a save in flight."""
 
 
 @dataclass(frozen=True)
@@ -52,21 +61,30 @@ class Layout:
     def step_path(self, step: int) -> str:
         return self.step_dir.format(step=step)
 
-    def write_path(self, step: int) -> str:
-        """Directory the ranks write into before the commit."""
-        if self.staging:
-            return f"{META_DIR}/staging/{self.step_path(step)}"
+    def write_path(self, step: int, sid: str = "", *, supersede: bool = False) -> str:
+        """Directory the ranks of save ``sid`` write into before the commit.
+
+        Staged (``staging``, or ``supersede``: the step is committed already and its files must
+        stay intact until the new commit) or the step's own directory.
+        """
+        if self.staging or supersede:
+            return f"{META_DIR}/staging/{sid + '/' if sid else ''}{self.step_path(step)}"
         return self.step_path(step)
 
     @staticmethod
     def marker_dir(step: int) -> str:
         return f"{META_DIR}/steps/{step}"
 
-    def rank_marker(self, step: int, rank: int, ok: bool = True) -> str:
-        return f"{self.marker_dir(step)}/rank-{rank}.{'done' if ok else 'failed'}"
+    def rank_marker(self, step: int, rank: int, ok: bool = True, sid: str = "") -> str:
+        return f"{self.marker_dir(step)}/{marker_name(rank, sid, ok)}"
 
     def tracker_bytes(self, step: int) -> bytes:
         return self.tracker_content.format(step=step, step_dir=self.step_path(step)).encode()
+
+
+def marker_name(rank: int, sid: str = "", ok: bool = True) -> str:
+    """File name of rank ``rank``'s marker for save ``sid`` ("" for saves made before save ids)."""
+    return f"rank-{rank}{'.' + sid if sid else ''}.{'done' if ok else 'failed'}"
 
 
 def write_json(storage: Storage, path: str, obj: Any) -> None:
@@ -93,7 +111,33 @@ def committed_steps(storage: Storage) -> list[int]:
 
 def commit_record(storage: Storage, step: int) -> dict[str, Any] | None:
     path = f"{Layout.marker_dir(step)}/{COMMITTED}"
-    return read_json(storage, path) if storage.exists(path) else None
+    try:
+        return read_json(storage, path) if storage.exists(path) else None
+    except StorageError:
+        if storage.exists(path):
+            raise
+        return None  # retention deleted it between the check and the read
+
+
+def commit_records(storage: Storage) -> dict[int, dict[str, Any]]:
+    """The commit record of every committed step, by step."""
+    records = {}
+    for step in marked_steps(storage):
+        record = commit_record(storage, step)
+        if record is not None:
+            records[step] = record
+    return records
+
+
+def files_dir(storage: Storage, layout: Layout, step: int, record: dict[str, Any] | None) -> str:
+    """Where the files of committed ``step`` are: the record's directory, or the step's own
+    once the committer has moved a superseding save into place."""
+    record = record or {}
+    path = record.get("files_dir") or layout.step_path(step)
+    final = record.get("final_dir")
+    if final and path != final and not storage.exists(path):
+        return final  # moved (a rename: all of it or none of it)
+    return path
 
 
 def failure_record(storage: Storage, step: int) -> dict[str, Any] | None:
@@ -105,17 +149,21 @@ def now() -> float:
     return time.time()
 
 
-def write_rank_done(storage: Storage, layout: Layout, request: dict[str, Any], entries: list[dict[str, Any]]) -> None:
-    """Publish a rank's done marker for ``request``'s step: its files are durable (the seq names the snapshot)."""
-    rank, step = int(request["rank"]), int(request["step"])
-    write_json(storage, layout.rank_marker(step, rank), {
+def write_rank_done(
+    storage: Storage, layout: Layout, request: dict[str, Any], entries: list[dict[str, Any]], base: str,
+) -> None:
+    """Publish a rank's done marker for ``request``'s save: its files are durable under ``base``
+    (the seq names the snapshot)."""
+    rank, step, sid = int(request["rank"]), int(request["step"]), request.get("sid", "")
+    write_json(storage, layout.rank_marker(step, rank, sid=sid), {
         "rank": rank, "step": step, "seq": int(request["seq"]), "world_size": request["world_size"],
-        "files": entries, "time": now(),
+        "files": entries, "time": now(), "sid": sid, "base": base,
     })
 
 
-def write_rank_failed(storage: Storage, layout: Layout, step: int, rank: int, exc: BaseException) -> None:
+def write_rank_failed(storage: Storage, layout: Layout, request: dict[str, Any], exc: BaseException) -> None:
     """Publish a rank's failed marker (best effort: the storage may be what failed)."""
+    rank, step, sid = int(request["rank"]), int(request["step"]), request.get("sid", "")
     with contextlib.suppress(Exception):
-        write_json(storage, layout.rank_marker(step, rank, ok=False),
-                   {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"})
+        write_json(storage, layout.rank_marker(step, rank, ok=False, sid=sid),
+                   {"rank": rank, "step": step, "sid": sid, "error": f"{type(exc).__name__}: {exc}"})

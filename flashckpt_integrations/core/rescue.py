@@ -32,7 +32,7 @@ from typing import IO, Any
 
 from .. import knobs
 from ..errors import FlashCkptError
-from .client import job_key
+from .client import job_id_for, job_key
 from .layout import COMMITTED, FAILED, META_DIR, Layout, commit_record, committed_steps, failure_record
 from .protocol import SLOTS_FILE
 from .saver import Saver
@@ -104,7 +104,7 @@ def job_slots(checkpoint_dir: str | os.PathLike, job_id: str | None = None,
     """
     url = os.fspath(checkpoint_dir)
     url = url if "://" in url else os.path.abspath(os.path.expanduser(url))
-    key = job_key(job_id or knobs.get(knobs.JOB_ID) or url)
+    key = job_key(job_id_for(url, job_id))
     shm_dir = shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm")
     found: dict[int, list[str]] = {}
     for path in sorted(glob.glob(os.path.join(shm_dir, f"flashckpt-{os.getuid()}-{key}-r*-*"))):

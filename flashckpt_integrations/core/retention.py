@@ -8,6 +8,7 @@ caller never passes steps that are in flight (not yet committed).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,10 +38,12 @@ class RetentionPolicy:
     def enabled(self) -> bool:
         return self.keep_last is not None or self.keep_every is not None
 
-    def select_deletions(self, committed: list[int]) -> list[int]:
+    def select_deletions(self, committed: list[int], key: Callable[[int], Any] | None = None) -> list[int]:
+        """The committed steps to delete. ``key`` orders them oldest to newest (default: by step);
+        the committer orders a later attempt's steps after an earlier attempt's."""
         if not self.enabled or not committed:
             return []
-        steps = sorted(set(committed))
+        steps = sorted(set(committed), key=key)
         keep = {steps[-1]}
         if self.keep_last is not None:
             keep.update(steps[-self.keep_last :])

@@ -38,12 +38,17 @@ from typing import Any
 
 from .. import knobs
 from .._utils.faults import fault_point
+from . import commit as commit_protocol
+from . import lineage
 from .codecs import write_file
 from .layout import (
     COMMITTED,
+    DELETING,
     FAILED,
     Layout,
-    committed_steps,
+    commit_records,
+    marked_steps,
+    marker_name,
     now,
     read_json,
     write_json,
@@ -53,11 +58,10 @@ from .layout import (
 from .protocol import LOCK_NAME, SLOTS_FILE, SOCKET_NAME
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
-from .storage import Storage, remove_stale_temporaries, storage_from_url, write_bytes
+from .storage import Storage, remove_stale_temporaries, storage_from_url
 
 logger = logging.getLogger(__name__)
 
-COMMIT_POLL_S = 0.02
 
 
 class _Connection:
@@ -195,14 +199,18 @@ class Saver:
                     self.commit_executor.submit(self._finish_interrupted_commit, request)
 
     def _finish_interrupted_commit(self, request: dict[str, Any]) -> None:
-        """Commit a step whose rank-0 files are durable but that has neither COMMITTED nor FAILED."""
+        """Commit a save whose rank-0 files are durable but that has neither a commit nor a failure
+        record, or finish moving a superseding save into place."""
         try:
-            layout, step = Layout(**request["layout"]), int(request["step"])
+            layout, step, sid = Layout(**request["layout"]), int(request["step"]), request.get("sid", "")
             storage = self._storage(request)
             names = set(storage.list(layout.marker_dir(step)))
-            if COMMITTED in names or FAILED in names or "rank-0.done" not in names:
+            if COMMITTED in names:
+                commit_protocol.finish_switch(storage, layout, step)
                 return
-            if read_json(storage, layout.rank_marker(step, 0)).get("seq") != int(request["seq"]):
+            if FAILED in names or marker_name(0, sid) not in names:
+                return
+            if read_json(storage, layout.rank_marker(step, 0, sid=sid)).get("seq") != int(request["seq"]):
                 return
             logger.warning("the commit of step %d was interrupted; committing it now", step)
             self.commit(request)
@@ -331,13 +339,13 @@ class Saver:
         slot = self._slot(request["slot"])
         slot.lock()
         try:
-            if _already_persisted(storage, layout, step, rank, seq, recovered=bool(request.get("recovered"))):
+            if commit_protocol.already_persisted(storage, layout, request, recovered=bool(request.get("recovered"))):
                 slot.mark_persist_done(seq)
                 return
             try:
-                _claim_step(storage, layout, step, rank)
+                _check_directory(storage, request)
+                base = commit_protocol.claim(storage, layout, request)
                 metadata = _checked_metadata(slot, step, seq, filling=True)
-                base = layout.write_path(step)
                 entries = []
 
                 def ready(index: int) -> None:
@@ -353,9 +361,9 @@ class Saver:
                 _checked_metadata(slot, step, seq)
                 # a saver killed while writing these files left temporaries that would be committed with them
                 remove_stale_temporaries(storage, [f"{base}/{e['path']}" for e in entries])
-                write_rank_done(storage, layout, request, entries)
+                write_rank_done(storage, layout, request, entries, base)
             except Exception as exc:
-                write_rank_failed(storage, layout, step, rank, exc)
+                write_rank_failed(storage, layout, request, exc)
                 raise
             finally:
                 slot.mark_persist_done(seq)
@@ -368,68 +376,31 @@ class Saver:
 
     def commit(self, request: dict[str, Any], local_error: str | None = None,
                answer: Callable[[], Any] = lambda: None) -> None:
-        """Committer (the saver of global rank 0): commit once every rank's marker exists.
+        """Committer (the saver of global rank 0): commit once every rank's marker exists
+        (:func:`.commit.commit`), answer, then apply retention.
 
-        ``local_error`` is rank 0's own persist failure: the step cannot commit, and its
-        failed marker may not have reached storage (a read-only one, say), so do not wait.
         ``answer()`` is called once the step is committed or failed, before retention.
         """
-        step, world_size = int(request["step"]), int(request["world_size"])
-        layout = Layout(**request["layout"])
         storage = self._storage(request)
-        marker_dir = layout.marker_dir(step)
-        deadline = time.monotonic() + float(request.get("commit_timeout", 600))
         try:
-            if local_error is not None:
-                raise RuntimeError(f"ranks [0] failed to persist step {step}: {local_error}")
-            if not storage.list(marker_dir) and any(s > step for s in committed_steps(storage)):
-                logger.info("step %d was committed and retention has deleted it since", step)
-                return  # asked again (a recovered request met the rank's own): nothing left to commit
-            _drop_stale_failure(storage, layout, step)
-            while True:
-                names = set(storage.list(marker_dir))
-                if COMMITTED in names or FAILED in names:
-                    return
-                failed = sorted(r for r in range(world_size) if f"rank-{r}.failed" in names)
-                missing = [r for r in range(world_size) if f"rank-{r}.done" not in names]
-                if failed:
-                    raise RuntimeError(f"ranks {failed} failed to persist step {step}")
-                if not missing:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"ranks {missing[:16]}{'...' if len(missing) > 16 else ''} did not persist step "
-                        f"{step} within {request.get('commit_timeout')}s"
-                    )
-                time.sleep(COMMIT_POLL_S)
-            fault_point("saver.commit")  # every rank's files are durable, nothing committed yet
-            if layout.staging:
-                storage.rename(layout.write_path(step), layout.step_path(step))
-            # Every rank's files are durable: the tracker may name this step (unless a newer one
-            # is already committed), then the commit record makes it count for our loaders.
-            committed = committed_steps(storage)
-            if layout.tracker and (not committed or committed[-1] < step):
-                write_bytes(storage, layout.tracker, layout.tracker_bytes(step))
-            write_json(storage, f"{marker_dir}/{COMMITTED}", {
-                "step": step, "world_size": world_size, "step_dir": layout.step_path(step), "time": now(),
-            })
-            logger.info("step %d committed (%d ranks)", step, world_size)
-        except Exception as exc:
-            logger.error("commit of step %d failed: %s", step, exc)
-            with contextlib.suppress(Exception):
-                write_json(storage, f"{marker_dir}/{FAILED}", {"step": step, "reason": str(exc), "time": now()})
-            return
+            committed = commit_protocol.commit(storage, request, local_error)
         finally:
             answer()
-        self.purge(storage, layout, RetentionPolicy(**(request.get("retention") or {})))
+        if committed:
+            self.purge(storage, Layout(**request["layout"]), RetentionPolicy(**(request.get("retention") or {})))
 
     def purge(self, storage: Storage, layout: Layout, policy: RetentionPolicy) -> None:
         """Delete what the retention policy lets go; a failure is logged and retention goes on."""
         if not policy.enabled:
             return
-        for step in policy.select_deletions(committed_steps(storage)):
+        records = commit_records(storage)
+        self._finish_deletions(storage, records)
+        for step in policy.select_deletions(list(records), key=lambda s: lineage.order_key(records[s], s)):
             started = time.monotonic()
             try:
+                # The tombstone first: a pass cut short below leaves a step that says it is being deleted.
+                write_json(storage, f"{layout.marker_dir(step)}/{DELETING}",
+                           {"step": step, "files": layout.step_path(step), "record": records[step], "time": now()})
                 storage.remove(f"{layout.marker_dir(step)}/{COMMITTED}")
                 fault_point("retention.delete")  # uncommitted, its files not yet deleted
                 storage.remove(layout.step_path(step))
@@ -438,6 +409,35 @@ class Saver:
                 logger.error("retention could not delete step %d: %s", step, exc)
                 continue
             logger.info("retention deleted step %d in %.2fs", step, time.monotonic() - started)
+
+    def _finish_deletions(self, storage: Storage, records: dict[int, dict[str, Any]]) -> None:
+        """Finish deleting the steps that a retention pass marked DELETING and did not see through
+        (its process was killed): their files and markers would otherwise stay on storage forever.
+
+        A step with a tombstone and no commit record is such a leftover, unlike a save in flight,
+        whose done markers look the same. Only steps older than the newest commit (the one this
+        pass follows) are touched: every save still in flight is newer than that one, so none of
+        them is writing into the directory of the step being finished. A tombstone next to a
+        commit record (a kill before that record went, or the step saved and committed again) is
+        left alone: the policy decides about a committed step afresh.
+        """
+        if not records:
+            return
+        newest = max(records, key=lambda s: lineage.order_key(records[s], s))
+        for step in marked_steps(storage):
+            if step >= newest or step in records:
+                continue
+            marker_dir = Layout.marker_dir(step)
+            try:
+                if DELETING not in storage.list(marker_dir):
+                    continue
+                tombstone = read_json(storage, f"{marker_dir}/{DELETING}")
+                storage.remove(tombstone["files"])
+                storage.remove(marker_dir)
+            except Exception as exc:
+                logger.error("retention could not finish deleting step %d: %s", step, exc)
+                continue
+            logger.warning("retention finished deleting step %d, which an interrupted pass had left on storage", step)
 
 
 def _slot_request(path: str) -> tuple[dict[str, Any] | None, bool]:
@@ -460,41 +460,18 @@ def _slot_request(path: str) -> tuple[dict[str, Any] | None, bool]:
         slot.close()
 
 
-def _already_persisted(storage: Storage, layout: Layout, step: int, rank: int, seq: int, *, recovered: bool) -> bool:
-    """This very snapshot's files are durable already (a recovered request met the original)."""
-    names = set(storage.list(layout.marker_dir(step)))
-    if f"rank-{rank}.done" in names and read_json(storage, layout.rank_marker(step, rank)).get("seq") == seq:
-        logger.info("rank %d step %d (seq %d) was persisted already", rank, step, seq)
-        return True
-    if recovered and COMMITTED in names:
-        logger.info("step %d is committed already; the recovered request of rank %d is dropped", step, rank)
-        return True
-    return False
-
-
-def _claim_step(storage: Storage, layout: Layout, step: int, rank: int) -> None:
-    """Refuse to write into a committed step; drop this rank's markers of an earlier attempt."""
-    names = set(storage.list(layout.marker_dir(step)))
-    if COMMITTED in names:
-        raise RuntimeError(
-            f"step {step} is already committed in {getattr(storage, 'url', '')}; saving it again would mix "
-            "two checkpoints of the same step. Delete that step (or resume from it) before saving it "
-            "again, or save to a new directory"
-        )
-    for name in (f"rank-{rank}.done", f"rank-{rank}.failed"):
-        if name in names:
-            storage.remove(f"{layout.marker_dir(step)}/{name}")
-
-
-def _drop_stale_failure(storage: Storage, layout: Layout, step: int) -> None:
-    """A FAILED record older than rank 0's new marker belongs to an earlier attempt of the step."""
-    marker_dir = layout.marker_dir(step)
-    if FAILED not in set(storage.list(marker_dir)):
+def _check_directory(storage: Storage, request: dict[str, Any]) -> None:
+    """Refuse to persist a snapshot into a directory that was deleted or replaced since it was taken."""
+    expected = (request.get("tag") or {}).get("dir")
+    if expected is None:
         return
-    failed_at = read_json(storage, f"{marker_dir}/{FAILED}").get("time", 0)
-    if read_json(storage, layout.rank_marker(step, 0)).get("time", 0) > failed_at:
-        storage.remove(f"{marker_dir}/{FAILED}")
-        logger.info("step %d is being saved again; its earlier failed attempt is forgotten", step)
+    found = lineage.read_identity(storage)
+    if found != expected:
+        raise RuntimeError(
+            f"the checkpoint directory {request['root']} was deleted or replaced after step {request['step']} "
+            f"was snapshotted (identity {expected}, now {found}); this snapshot belongs to the old directory "
+            "and is not written into the new one"
+        )
 
 
 def _checked_metadata(slot: Slot, step: int, seq: int, *, filling: bool = False) -> dict[str, Any]:

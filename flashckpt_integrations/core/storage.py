@@ -72,6 +72,21 @@ def write_bytes(storage: Storage, path: str, data: bytes) -> None:
         f.write(data)
 
 
+def create_exclusive(storage: Storage, path: str, data: bytes) -> bool:
+    """Write ``data`` to ``path`` only if nothing is there yet; True when this call created it.
+
+    Atomic on local file systems (a hard link of a durable temporary) and on object stores with
+    conditional writes (``If-None-Match``); a backend without ``create`` gets a check and a write.
+    """
+    create = getattr(storage, "create", None)
+    if create is not None:
+        return bool(create(path, data))
+    if storage.exists(path):
+        return False
+    write_bytes(storage, path, data)
+    return True
+
+
 def remove_stale_temporaries(storage: Storage, paths: list[str]) -> None:
     """Remove what writers killed mid-write left beside ``paths``: their temporary siblings
     (``.name.tmp-*`` locally, ``name.tmp-*`` on object stores). One listing per directory."""
@@ -175,6 +190,29 @@ class LocalStorage:
             _fsync_dir(os.path.dirname(self._abs(dst)))
         except OSError as exc:
             raise _wrap("rename", src, exc) from exc
+
+    def create(self, path: str, data: bytes) -> bool:
+        """Publish ``data`` at ``path`` unless it exists (link(2) of a durable temporary)."""
+        final = self._abs(path)
+        parent = os.path.dirname(final)
+        tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            os.makedirs(parent, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                return False
+            _fsync_dir(parent)
+            return True
+        except OSError as exc:
+            raise _wrap("create", path, exc) from exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def size(self, path: str) -> int:
         try:
@@ -346,6 +384,25 @@ class FsspecStorage:
             self.fs.mv(self._abs(src), self._abs(dst), recursive=True)
         except Exception as exc:
             raise _wrap("rename", src, exc) from exc
+
+    def create(self, path: str, data: bytes) -> bool:
+        """Publish ``data`` at ``path`` unless it exists: a conditional put where the backend has one."""
+        full = self._fresh(path)
+        try:
+            if not self._atomic_put:
+                self.fs.makedirs(full.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(full, data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except TypeError:  # a backend without modes: check, then write
+            pass
+        except Exception as exc:
+            raise _wrap("create", path, exc) from exc
+        if self.exists(path):
+            return False
+        write_bytes(self, path, data)
+        return True
 
     def size(self, path: str) -> int:
         try:

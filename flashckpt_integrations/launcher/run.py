@@ -50,7 +50,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from .. import knobs
-from ..core.client import SaverClient, job_key, run_dir_for
+from ..core.client import SaverClient, job_id_for, job_key, run_dir_for
 from ..core.protocol import LOG_NAME
 from ..core.rescue import RescueStatus, in_flight, job_slots, persist_newest
 from ..errors import FlashCkptError, NodeCheckError
@@ -156,7 +156,7 @@ class NodeCare:
         if checkpoint_dir is not None and "://" not in checkpoint_dir:
             checkpoint_dir = os.path.abspath(os.path.expanduser(checkpoint_dir))
         self.checkpoint_dir = checkpoint_dir
-        self.job = job_id or knobs.get(knobs.JOB_ID) or checkpoint_dir
+        self.job = job_id_for(checkpoint_dir, job_id)
         self.commit_timeout = commit_timeout
         self.drain_timeout = drain_timeout
         self.host = socket.gethostname()

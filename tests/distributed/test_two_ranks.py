@@ -6,6 +6,7 @@ import pytest
 
 from flashckpt_integrations.core.client import job_key
 from tests.distributed.launch import records, run
+from tests.helpers import marker_names
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +31,7 @@ def test_save_commit_crash_restore_from_memory_then_storage(tmp_path):
     assert third.returncode == 0, third.stderr[-3000:]
     for rec in records(tmp_path / "run3"):
         assert rec["events"][0] == {"load": 3, "source": "storage", "equal": True}, rec
-    assert sorted(os.listdir(ckpt / ".flashckpt" / "steps" / "3")) == ["COMMITTED", "rank-0.done", "rank-1.done"]
+    assert marker_names(ckpt / ".flashckpt" / "steps" / "3") == ["COMMITTED", "rank-0.done", "rank-1.done"]
 
 
 def test_memory_is_used_only_when_every_rank_holds_the_step(tmp_path):

@@ -22,7 +22,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainerCallback  # noqa: E402
 from flashckpt_integrations.adapters import hf_trainer  # noqa: E402
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
-from tests.helpers import run_python  # noqa: E402
+from tests.helpers import marker_names, run_python  # noqa: E402
 from tests.hf.common import assert_bitwise_equal, make_trainer, parameters  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -250,7 +250,7 @@ def test_a_crash_during_a_save_never_costs_the_newest_committed_checkpoint(tmp_p
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     # The newest committed checkpoint (8) and the one before it survive; 12 never appears half written.
     assert checkpoints(out) == [4, 8]
-    assert sorted(os.listdir(out / ".flashckpt" / "steps" / "8")) == ["COMMITTED", "rank-0.done"]
+    assert marker_names(out / ".flashckpt" / "steps" / "8") == ["COMMITTED", "rank-0.done"]
     stock = make_trainer(Trainer, str(out / "stock"), max_steps=16, save_steps=4)
     stock.train(resume_from_checkpoint=str(out / "checkpoint-8"))  # the plain Trainer resumes from it
     assert stock.state.global_step == 16

@@ -21,6 +21,7 @@ from flashckpt_integrations.core.rescue import (
 from flashckpt_integrations.core.storage import LocalStorage
 from tests.distributed.launch import env, free_port, torchrun_cmd, worker
 from tests.distributed.worker import state as worker_state
+from tests.helpers import marker_names
 
 
 def state(step, rank):
@@ -106,7 +107,7 @@ def test_meets_a_saver_persisting_the_same_snapshot(make_checkpointer, tmp_path,
     storage = LocalStorage(str(ckpt))
     for rank in (0, 1):  # the durable files are those of the very snapshots in memory
         assert read_json(storage, Layout().rank_marker(3, rank))["seq"] == held[rank][3].seq
-    assert sorted(os.listdir(ckpt / ".flashckpt" / "steps" / "3")) == ["COMMITTED", "rank-0.done", "rank-1.done"]
+    assert marker_names(ckpt / ".flashckpt" / "steps" / "3") == ["COMMITTED", "rank-0.done", "rank-1.done"]
     assert_files(ckpt, 3)
 
 

@@ -185,6 +185,24 @@ def test_slots_are_private_and_prepared_ahead(make_checkpointer):
     assert run_dir_mode == 0o700
 
 
+def test_without_prepare_the_second_slot_is_sized_like_the_first(make_checkpointer):
+    # The first save creates its slot with one headroom (GROWTH) over what it needs, and the other
+    # slot in the background: sized for the same state, not for the first slot's grown size.
+    from flashckpt_integrations.core.shm_buffer import GROWTH
+
+    ck = make_checkpointer()
+    state = {"w": torch.randn(4 << 20)}  # 16 MiB
+    state_bytes = state["w"].nbytes
+    assert ck.save(1, state, persist=False).ok
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(p) and os.stat(p).st_size > 0 for p in ck.slot_paths):
+        assert time.monotonic() < deadline, "the second slot was never prepared"
+        time.sleep(0.01)
+    first, second = (os.stat(p).st_size for p in ck.slot_paths)
+    assert first == second, (first, second)
+    assert state_bytes < second <= state_bytes * (GROWTH + 0.01), (second, state_bytes)
+
+
 def test_two_jobs_on_one_host_never_see_each_other(make_checkpointer, tmp_path):
     a = make_checkpointer(tmp_path / "job-a")
     b = make_checkpointer(tmp_path / "job-b")
@@ -258,12 +276,15 @@ def test_close_warns_when_the_newest_step_was_only_in_memory(make_checkpointer, 
     assert any("step 2 was only in memory" in r.message for r in caplog.records)
 
 
-def test_saving_a_committed_step_again_fails_instead_of_mixing(make_checkpointer, tmp_path):
+def test_saving_a_committed_step_again_supersedes_it(make_checkpointer, tmp_path):
     ck = make_checkpointer()
     assert ck.save(3, expected(3)).wait(60).committed
     again = ck.save(3, expected(4)).wait(60)
-    assert not again.committed and "already committed" in again.error
-    assert torch.equal(ck.load(3, prefer_memory=False).state["w"], expected(3)["w"])
+    assert again.committed, again.error
+    assert torch.equal(ck.load(3, prefer_memory=False).state["w"], expected(4)["w"])
+    markers = sorted(os.listdir(tmp_path / "ckpt" / ".flashckpt" / "steps" / "3"))
+    assert markers == ["COMMITTED", "rank-0.a1g1.done"]  # the replaced save's marker is gone
+    assert not os.listdir(tmp_path / "ckpt" / ".flashckpt" / "staging")
 
 
 def test_a_step_whose_first_attempt_failed_can_be_saved_again(make_checkpointer, tmp_path):
@@ -321,7 +342,7 @@ def test_saver_and_trainer_killed_mid_persist_the_next_saver_finishes_it(tmp_pat
         from tests.helpers import kill_savers
         ck = Checkpointer(ckpt_dir, storage_factory="tests.helpers:SlowStorage")
         ck.save(1, state(1), persist=True)
-        marker = os.path.join(ckpt_dir, ".flashckpt", "steps", "1", "rank-0.done")
+        marker = os.path.join(ckpt_dir, ".flashckpt", "steps", "1", "rank-0.a1.done")
         if sys.argv[2] == "write":
             while not os.path.exists(os.path.join(ck.run_dir, "saver.sock")):
                 time.sleep(0.01)

@@ -162,3 +162,49 @@ def test_saver_of_a_crashed_job_exits_when_idle(tmp_path):
     assert crashed.returncode == -signal.SIGKILL
     (pid,) = saver_pids(crashed.stdout.strip())
     assert _gone(pid, timeout=20), "an idle saver whose ranks are gone must exit"
+
+
+RUN_DIR_JOB = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from flashckpt_integrations import Checkpointer
+    ck = Checkpointer(sys.argv[1])
+    step = (ck.committed_steps() or [0])[-1] + 1
+    assert ck.save(step, {"w": torch.full((1000,), float(step))}).wait(60).committed
+    print(ck.run_dir, ck._client.saver_pid, flush=True)
+    if sys.argv[2] == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    ck.close()
+    """
+)
+
+
+def _job(ckpt, how):
+    done = run_python(RUN_DIR_JOB, ckpt, how)
+    assert done.returncode == (-signal.SIGKILL if how == "crash" else 0), done.stderr
+    run_dir, pid = done.stdout.split()
+    return run_dir, int(pid)
+
+
+def test_a_clean_close_leaves_no_run_directory_and_a_restart_makes_a_new_one(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_dir, pid = _job(ckpt, "clean")
+    assert _gone(pid), "the saver must exit once the job closed"
+    assert not os.path.exists(run_dir), f"left behind: {os.listdir(run_dir)}"
+    assert os.path.isdir(os.path.dirname(run_dir)), "the user's run root is shared by every job: it stays"
+
+    again, pid = _job(ckpt, "clean")  # the next run of the job makes its run directory anew
+    assert again == run_dir and _gone(pid) and not os.path.exists(run_dir)
+    with Checkpointer(ckpt) as ck:
+        assert ck.committed_steps() == [1, 2]
+
+
+def test_the_run_directory_and_log_stay_when_the_job_had_trouble(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_dir, pid = _job(ckpt, "crash")  # the saver outlives the killed trainer and logs it
+    again, pid_again = _job(ckpt, "clean")
+    assert (again, pid_again) == (run_dir, pid)
+    assert _gone(pid)
+    log = open(os.path.join(run_dir, "saver.log")).read()
+    assert "disconnected without closing" in log and "every rank closed cleanly" in log
+    assert not [n for n in os.listdir(run_dir) if n.startswith("slots-")], "closed ranks leave no slot record"

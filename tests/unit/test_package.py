@@ -19,6 +19,33 @@ def test_import_needs_torch_only():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+def test_numpy_is_a_dependency_and_the_cli_starts_without_a_numpy_warning():
+    # torch 2.13 warns "Failed to initialize NumPy" at every `import torch` when numpy is absent (its
+    # wheel does not require numpy): every process of ours (flashckpt, the saver, the demo) imports
+    # torch, so the package must bring numpy along.
+    import configparser
+    import importlib.metadata
+    import os
+    import re
+
+    from tests.helpers import REPO
+
+    setup = configparser.ConfigParser()
+    setup.read(os.path.join(REPO, "setup.cfg"))
+    assert "numpy" in re.findall(r"^\s*([A-Za-z0-9_.-]+)", setup["options"]["install_requires"], re.M)
+    installed = importlib.metadata.requires("flashckpt-integrations") or []
+    assert any(re.match(r"numpy\b", r) and "extra ==" not in r for r in installed), (
+        f"the installed metadata lacks numpy (reinstall with pip install -e .): {installed}")
+    commands = [[sys.executable, "-m", "flashckpt_integrations.cli", "--help"]]
+    script = os.path.join(os.path.dirname(sys.executable), "flashckpt")
+    if os.path.exists(script):
+        commands.append([script, "--help"])
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert done.returncode == 0 and "usage: flashckpt" in done.stdout, done.stderr
+        assert "NumPy" not in done.stderr and "Warning" not in done.stderr, done.stderr
+
+
 def test_reexports_are_the_implementation_objects():
     from flashckpt_integrations.config import CheckpointerConfig
     from flashckpt_integrations.core.engine import Checkpointer, SaveStatus

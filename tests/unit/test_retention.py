@@ -58,3 +58,40 @@ def _wait_for(predicate, timeout=30.0):
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.05)
+
+
+def test_a_job_killed_while_retention_deletes_a_step_leaves_nothing_behind(make_checkpointer, tmp_path):
+    # The saver is SIGKILLed (fault point retention.delete) after step 1 lost its commit record and
+    # before its files went: the whole job is gone. The relaunched job's next commit finishes it.
+    import textwrap
+
+    from tests.helpers import run_python
+
+    ckpt = tmp_path / "ckpt"
+    child = textwrap.dedent(
+        """
+        import os, sys, torch
+        from flashckpt_integrations import Checkpointer, RetentionPolicy
+        ck = Checkpointer(sys.argv[1], retention=RetentionPolicy(keep_last=1))
+        assert ck.save(1, {"w": torch.full((1000,), 1.0)}).wait(60).committed
+        assert ck.save(2, {"w": torch.full((1000,), 2.0)}).wait(60).committed  # retention of step 1 kills the saver
+        print(ck.run_dir, flush=True)
+        os._exit(0)
+        """
+    )
+    first = run_python(child, str(ckpt), env={"FLASHCKPT_FAULT": "retention.delete"})
+    assert first.returncode == 0, first.stderr
+    run_dir = first.stdout.strip()
+    _wait_for(lambda: not saver_pids(run_dir))
+    assert "fault injection: SIGKILL at retention.delete" in open(os.path.join(run_dir, "saver.log")).read()
+    marker_dir = ckpt / ".flashckpt" / "steps" / "1"
+    assert step_dirs(ckpt) == ["step-1", "step-2"] and (ckpt / "step-1" / "rank-0.pt").exists()
+    assert marker_dir.is_dir() and not (marker_dir / "COMMITTED").exists()  # a leftover, not a commit
+
+    ck = make_checkpointer(ckpt, retention=RetentionPolicy(keep_last=1))
+    assert ck.committed_steps() == [2]
+    assert ck.load().step == 2
+    assert ck.save(3, {"w": torch.full((1000,), 3.0)}).wait(60).committed
+    _wait_for(lambda: step_dirs(ckpt) == ["step-3"] and not marker_dir.exists(), timeout=15)
+    assert sorted(os.listdir(ckpt / ".flashckpt" / "steps")) == ["3"]
+    assert ck.committed_steps() == [3]
