@@ -93,7 +93,8 @@ def commit(storage: Storage, request: dict[str, Any], local_error: str | None = 
             return False  # asked again (a recovered request met the rank's own): nothing left to commit
         _drop_stale_failure(storage, layout, step, sid)
         markers = _wait_for_markers(storage, layout, request)
-        if markers is None:
+        if markers is None:  # committed or failed already (asked again); a switch may be unfinished
+            finish_switch(storage, layout, step)
             return False
         fault_point("saver.commit")  # every rank's files are durable, nothing committed yet
         _switch(storage, layout, request, markers)
@@ -175,6 +176,7 @@ def finish_switch(storage: Storage, layout: Layout, step: int) -> None:
     record = commit_record(storage, step)
     if not record or not record.get("final_dir") or record.get("files_dir") == record.get("final_dir"):
         return
+    fault_point("saver.supersede")
     base, final = record["files_dir"], record["final_dir"]
     if storage.exists(base):
         if storage.exists(final):

@@ -42,7 +42,7 @@ from ..errors import (
     SharedMemoryError,
 )
 from . import collectives, direct, lineage
-from .client import SaverClient, job_id_for, job_key, run_dir_for
+from .client import SaverClient, job_id_for, job_key, private_dir, run_dir_for
 from .codecs import decode_from_slot, read_file
 from .layout import FAILED, Layout, commit_record, commit_records, files_dir, read_json
 from .protocol import SLOTS_FILE
@@ -503,10 +503,17 @@ class Checkpointer:
     def _record_slot_paths(self) -> None:
         """Tell the node's savers, present and future, where this rank's slots are."""
         path = os.path.join(self.run_dir, SLOTS_FILE.format(rank=self.rank))
-        with contextlib.suppress(OSError):
-            with open(path + ".tmp", "w") as f:
-                json.dump({"rank": self.rank, "slots": self.slot_paths}, f)
-            os.replace(path + ".tmp", path)
+        for _ in range(2):  # again if the saver of an earlier run removed the directory on its way out
+            try:
+                private_dir(self.run_dir)
+                with open(path + ".tmp", "w") as f:
+                    json.dump({"rank": self.rank, "slots": self.slot_paths}, f)
+                os.replace(path + ".tmp", path)
+                return
+            except FileNotFoundError:
+                continue
+            except (OSError, SaverProcessError):  # best effort: only a crash's recovery needs the record
+                return
 
     def _commit_poller(self, sid: str) -> Any:
         return lambda step, timeout=None: self._poll_commit(step, timeout, sid)

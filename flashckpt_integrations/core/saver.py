@@ -38,6 +38,7 @@ from typing import Any
 
 from .. import knobs
 from .._utils.faults import fault_point
+from .._utils.locks import same_file
 from . import commit as commit_protocol
 from . import lineage
 from .codecs import write_file
@@ -46,6 +47,7 @@ from .layout import (
     DELETING,
     FAILED,
     Layout,
+    commit_record,
     commit_records,
     marked_steps,
     marker_name,
@@ -55,7 +57,7 @@ from .layout import (
     write_rank_done,
     write_rank_failed,
 )
-from .protocol import LOCK_NAME, SLOTS_FILE, SOCKET_NAME
+from .protocol import LOCK_NAME, LOG_NAME, SLOTS_FILE, SOCKET_NAME, SPAWN_LOCK_NAME
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
 from .storage import Storage, remove_stale_temporaries, storage_from_url
@@ -88,6 +90,10 @@ class Saver:
         self.connections: dict[int, _Connection] = {}
         self.registered: set[int] = set()
         self.closed_clean: set[int] = set()
+        self.lost_ranks = False
+        """A rank disconnected without closing (crashed or killed) while this saver served."""
+        self.unclaimed: set[tuple[str, int]] = set()
+        """Recovered requests (slot, seq) that no live rank asked for since: their trainer died."""
         self.executors: dict[int, ThreadPoolExecutor] = {}
         self.commit_executor = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.pending = 0
@@ -167,6 +173,7 @@ class Saver:
         conn.sock.close()
         if conn.rank is not None and conn.rank not in self.closed_clean:
             logger.warning("rank %d disconnected without closing (crashed or killed)", conn.rank)
+            self.lost_ranks = True
             self.recover()
 
     def recover(self) -> None:
@@ -188,6 +195,7 @@ class Saver:
                     continue
                 if outstanding:
                     self.recovered.add((path, int(request["seq"])))
+                    self.unclaimed.add((path, int(request["seq"])))
                     logger.warning("rank %s asked to persist step %s and did not see it through (it died, or "
                                    "this saver was not up yet); persisting it now", request.get("rank"),
                                    request.get("step"))
@@ -205,10 +213,11 @@ class Saver:
             layout, step, sid = Layout(**request["layout"]), int(request["step"]), request.get("sid", "")
             storage = self._storage(request)
             names = set(storage.list(layout.marker_dir(step)))
-            if COMMITTED in names:
-                commit_protocol.finish_switch(storage, layout, step)
+            if COMMITTED in names and (commit_record(storage, step) or {}).get("sid", "") == sid:
+                commit_protocol.finish_switch(storage, layout, step)  # committed; its files may not be in place
                 return
-            if FAILED in names or marker_name(0, sid) not in names:
+            failure = read_json(storage, f"{layout.marker_dir(step)}/{FAILED}") if FAILED in names else {}
+            if marker_name(0, sid) not in names or (FAILED in names and failure.get("sid", "") == sid):
                 return
             if read_json(storage, layout.rank_marker(step, 0, sid=sid)).get("seq") != int(request["seq"]):
                 return
@@ -242,6 +251,7 @@ class Saver:
                 self.closed_clean.add(int(request["rank"]))
             conn.send({"id": rid, "ok": True})
         elif op == "persist":
+            self.unclaimed.discard((request.get("slot"), int(request.get("seq", -1))))
             self._submit(conn, request)
         elif op == "attach":
             # Map (and pre-fault) a new or grown slot now, so its first persist does not pay it.
@@ -526,12 +536,16 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError, ValueError):
         os.nice(int(knobs.get(knobs.SAVER_NICE, "10")))
 
-    lock_fd = os.open(os.path.join(args.run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    lock_fd = _lock_run_dir(args.run_dir)
+    if lock_fd is None:
         logger.info("another saver holds the lock for %s; exiting", args.run_dir)
         return 0
+    # What an earlier saver of this directory logged (it crashed, or its job did) stays readable.
+    told_before = False
+    with contextlib.suppress(OSError):
+        told_before = os.path.getsize(os.path.join(args.run_dir, LOG_NAME)) > 0
+    trouble = _Trouble()
+    logging.getLogger().addHandler(trouble)
     path = os.path.join(args.run_dir, SOCKET_NAME)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -542,13 +556,84 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.umask(old_umask)
     listener.listen(256)
+    saver = Saver(args.run_dir, args.watch_pid, args.idle_exit)
     try:
-        Saver(args.run_dir, args.watch_pid, args.idle_exit).serve(listener)
+        saver.serve(listener)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         listener.close()
+    if knobs.get(knobs.SAVER_KEEP_RUN_DIR):
+        return 0
+    # The directory (and the log) go only after an uneventful job: every rank closed cleanly, none
+    # was lost on the way, nothing failed, and no earlier saver (crashed, or of a crashed job) left its log.
+    why = ("the job did not close cleanly" if not saver.registered or not saver.registered <= saver.closed_clean
+           else "a rank was lost" if saver.lost_ranks or saver.unclaimed else "an error was logged" if trouble.seen
+           else "an earlier saver logged here" if told_before else None)
+    if why is None:
+        _remove_run_dir(args.run_dir)
+    else:
+        logger.info("keeping %s and this log: %s", args.run_dir, why)
     return 0
+
+
+class _Trouble(logging.Handler):
+    """Notes whether the saver logged an error (then its run directory and log stay)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen = True
+
+
+def _lock_run_dir(run_dir: str) -> int | None:
+    """Hold ``saver.lock`` of ``run_dir`` (the file its path names now); None when another saver holds it."""
+    path = os.path.join(run_dir, LOCK_NAME)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if same_file(fd, path):
+            return fd
+        os.close(fd)  # the saver before this one unlinked it on its way out: lock the new one
+
+
+def _remove_run_dir(run_dir: str) -> None:
+    """Remove the run directory at the end of a job that every rank closed cleanly.
+
+    Called with ``saver.lock`` held and the socket gone. It goes only when it holds nothing but
+    this saver's own files (a slot record belongs to a rank that did not close cleanly, or to
+    the next run of the job starting already) and no rank holds the spawn lock (one is starting
+    a saver). The lock files are unlinked while they are held: a rank or saver that opened one
+    before checks, once it holds it, that it is still the file of that name. A rank that writes
+    into the directory meanwhile makes the final ``rmdir`` fail, and the directory stays.
+    """
+    own = {LOCK_NAME, SPAWN_LOCK_NAME, LOG_NAME}
+    spawn_fd = None
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            spawn_fd = os.open(os.path.join(run_dir, SPAWN_LOCK_NAME), os.O_RDWR)
+            fcntl.flock(spawn_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        others = set(os.listdir(run_dir)) - own
+        if others:
+            logger.info("keeping %s: it holds %s", run_dir, ", ".join(sorted(others)))
+            return
+        for name in (LOG_NAME, SPAWN_LOCK_NAME, LOCK_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(run_dir, name))
+        os.rmdir(run_dir)
+    except BlockingIOError:
+        logger.info("keeping %s: a rank is starting a saver in it", run_dir)
+    except OSError as exc:  # e.g. not empty: a rank of the next run wrote into it just now
+        logger.info("keeping %s: %s", run_dir, exc)
+    finally:
+        if spawn_fd is not None:
+            os.close(spawn_fd)
 
 
 if __name__ == "__main__":

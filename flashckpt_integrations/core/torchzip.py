@@ -174,7 +174,7 @@ class TorchZipWriter:
 
     def __init__(
         self, fileobj: IO[bytes], archive_name: str = "archive", *, alignment: int = STORAGE_ALIGNMENT,
-        write_crc32: Callable[[memoryview], int] | None = None, buffer_below: int = 1 << 16,
+        write_crc32: Callable[[memoryview], int] | None = None, buffer_below: int = 1 << 18,
     ) -> None:
         self._f = fileobj
         self._layout = _Layout(archive_name, alignment)

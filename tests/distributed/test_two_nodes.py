@@ -34,7 +34,8 @@ def committed_lines(run_dir):
 
 def test_commit_once_after_both_nodes(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
-    procs = launch_nodes(ckpt, out, "save:1:persist,wait,save:2:persist,wait,close")
+    keep_logs = {"FLASHCKPT_SAVER_KEEP_RUN_DIR": "1"}  # read below, after a job that closed cleanly
+    procs = launch_nodes(ckpt, out, "save:1:persist,wait,save:2:persist,wait,close", node_env=(keep_logs, keep_logs))
     for proc in procs:
         output, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, output[-3000:]

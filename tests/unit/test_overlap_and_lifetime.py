@@ -195,8 +195,7 @@ def test_a_clean_close_leaves_no_run_directory_and_a_restart_makes_a_new_one(tmp
 
     again, pid = _job(ckpt, "clean")  # the next run of the job makes its run directory anew
     assert again == run_dir and _gone(pid) and not os.path.exists(run_dir)
-    with Checkpointer(ckpt) as ck:
-        assert ck.committed_steps() == [1, 2]
+    assert os.path.exists(os.path.join(ckpt, ".flashckpt", "steps", "2", "COMMITTED"))  # its saver served it
 
 
 def test_the_run_directory_and_log_stay_when_the_job_had_trouble(tmp_path):
