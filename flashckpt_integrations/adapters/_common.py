@@ -1,17 +1,22 @@
-"""Helpers shared by the adapters: which snapshot to resume from, and small files made by stock code."""
+"""Helpers shared by the adapters: which snapshot to resume from, how a resume and a save are
+reported to the core and the log, and small files made by stock code."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
 
 from ..core import collectives
 from ..core.engine import Checkpointer
+from ..core.results import SaveResult, SaveStatus
 from ..core.state import Codec, FileSpec
+from ..errors import CheckpointNotFoundError
 
 
 def newest_memory_step(ck: Checkpointer, steps: list[int] | None = None) -> int | None:
@@ -31,6 +36,70 @@ def newest_memory_step(ck: Checkpointer, steps: list[int] | None = None) -> int 
     return max(eligible) if eligible else None
 
 
+def declare_resume(ck: Checkpointer, step: int, source: str = "storage") -> None:
+    """Tell the core that this attempt resumed from ``step`` read by a framework's own loader (not
+    ``ck.load()``), so that it continues that checkpoint's lineage (collective: every rank, before
+    the first save; nothing happens when the attempt has decided already).
+
+    ``source``: ``"memory"`` (this job's snapshot of ``step``, every rank holds it) or ``"storage"``
+    (a commit; a step that flashckpt never committed, e.g. stock files, makes a run of its own).
+    """
+    if source == "memory":
+        ck.start_attempt(step, from_memory=True)
+        return
+    try:
+        ck.start_attempt(step)
+    except CheckpointNotFoundError:  # the same answer on every rank: they all read the same records
+        ck.start_attempt(None)
+
+
+def step_destination(ck: Checkpointer, step: int) -> str:
+    """The directory where ``step``'s checkpoint lands once committed (never a staging folder)."""
+    path = ck.layout.step_path(step)
+    return f"{ck.url.rstrip('/')}/{path}" if "://" in ck.url else os.path.join(ck.url, path)
+
+
+def log_save(log: logging.Logger, rank: int, call: str, result: SaveResult, destination: str, held_s: float) -> None:
+    """The one INFO line of a framework-level save: its step, status, where it lands, and how long
+    the whole call held the training thread (building the state, planning, the copy)."""
+    if result.status is SaveStatus.PERSISTING:
+        where = f"to {destination}"
+    elif result.status is SaveStatus.IN_MEMORY:
+        where = "(memory only, not persisted)"
+    else:
+        where = f"(nothing saved for {destination})"
+    log.info("[RANK %d] flashckpt: %s of step %d %s %s (training held %.3fs)", rank, call, result.step,
+             result.status.value, where, held_s)
+
+
+class _DropRecordsNaming(logging.Filter):
+    """Drops log records whose message names ``path`` (a scratch folder users never see)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return self.path not in record.getMessage()
+        except Exception:
+            return True
+
+
+@contextlib.contextmanager
+def quiet_about(path: str, loggers: Iterable[str]) -> Iterator[None]:
+    """While the block runs, drop the records of ``loggers`` (by name) that name ``path``; others pass."""
+    drop = _DropRecordsNaming(path)
+    chosen = [logging.getLogger(name) for name in loggers]
+    for each in chosen:
+        each.addFilter(drop)
+    try:
+        yield
+    finally:
+        for each in chosen:
+            each.removeFilter(drop)
+
+
 def share_from_rank0(files: dict[str, Any], rank: int, is_own: Callable[[str], bool]) -> dict[str, Any]:
     """Give every rank rank 0's files, except the per-rank ones (``is_own(name)``), which each rank keeps.
 
@@ -44,15 +113,19 @@ def share_from_rank0(files: dict[str, Any], rank: int, is_own: Callable[[str], b
     return {**shared[0], **{k: v for k, v in files.items() if is_own(k)}}
 
 
-def files_written_by(write: Callable[[str], Any], skip: Callable[[str], bool] = lambda _: False) -> dict[str, FileSpec]:
+def files_written_by(write: Callable[[str], Any], skip: Callable[[str], bool] = lambda _: False, *,
+                     quiet: Iterable[str] = ()) -> dict[str, FileSpec]:
     """Let stock code ``write(directory)`` its files into a scratch folder; return them as byte files.
 
     For the small files (RNG states, configs, sampler states) whose exact content the framework
     defines: they are copied into the snapshot as they are. ``skip(relative_path)`` leaves files out.
+    ``quiet``: names of the framework's loggers whose messages naming the scratch folder ("saved in
+    /tmp/flashckpt-files-...") are dropped; that folder is not where the checkpoint goes.
     """
     out = {}
     with tempfile.TemporaryDirectory(prefix="flashckpt-files-") as scratch:
-        write(scratch)
+        with quiet_about(scratch, quiet):
+            write(scratch)
         for root, _, names in os.walk(scratch):
             for name in names:
                 path = os.path.join(root, name)

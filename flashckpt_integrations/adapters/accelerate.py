@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,7 +45,15 @@ from ..core.results import SaveResult, SaveStatus
 from ..core.retention import RetentionPolicy
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, LayoutMismatchError, missing_dependency
-from ._common import files_written_by, newest_memory_step, share_from_rank0, write_byte_files
+from ._common import (
+    declare_resume,
+    files_written_by,
+    log_save,
+    newest_memory_step,
+    quiet_about,
+    share_from_rank0,
+    write_byte_files,
+)
 
 try:
     from accelerate import Accelerator
@@ -73,6 +82,8 @@ CHECKPOINTS_DIR = "checkpoints"
 """Where ``automatic_checkpoint_naming`` puts checkpoints, under ``project_dir``."""
 STEP_DIR = "checkpoint_{step}"
 _UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+_QUIET = ("accelerate.checkpointing",)
+"""accelerate's logger, whose "saved in <folder>" messages would name a scratch folder."""
 
 
 def _numbered(name: str, index: int, ext: str) -> str:
@@ -151,7 +162,9 @@ class AccelerateCheckpointer:
 
         Collective: call it on every process. ``step`` defaults to the save iteration of
         ``automatic_checkpoint_naming`` (which then advances, as with the stock ``save_state``).
+        Logs once (INFO) how long the whole call held training and where the checkpoint lands.
         """
+        started = time.perf_counter()
         acc = self.accelerator
         project = acc.project_configuration
         if step is None:
@@ -165,6 +178,8 @@ class AccelerateCheckpointer:
             logger.error("flashckpt: step %d was not saved: %s", step, result.reason)
         if project.automatic_checkpoint_naming and step >= project.iteration:
             project.iteration = step + 1
+        log_save(logger, self.checkpointer.rank, "accelerate save_state", result, self.checkpoint_path(step),
+                 time.perf_counter() - started)
         return result
 
     def _files(self, step: int, safe_serialization: bool) -> dict[str, Any]:
@@ -179,7 +194,7 @@ class AccelerateCheckpointer:
             files_written_by(lambda scratch: [hook(acc._models, weights, scratch) for hook in hooks])
         # sampler, dataloader state and this process's RNG states: the stock code's own bytes
         files.update(files_written_by(lambda scratch: save_accelerator_state(
-            scratch, [], [], [], acc._dataloaders, acc.state.process_index, acc.step, None)))
+            scratch, [], [], [], acc._dataloaders, acc.state.process_index, acc.step, None), quiet=_QUIET))
         if not acc.is_main_process:
             return files
         for i, state in enumerate(weights):
@@ -195,7 +210,8 @@ class AccelerateCheckpointer:
         if acc.scaler is not None:
             files[SCALER_NAME] = FileSpec(acc.scaler.state_dict())
         for i, obj in enumerate(acc._custom_objects):
-            files.update(files_written_by(lambda scratch, obj=obj, i=i: save_custom_state(obj, scratch, i)))
+            files.update(files_written_by(lambda scratch, obj=obj, i=i: save_custom_state(obj, scratch, i),
+                                          quiet=_QUIET))
         return files
 
     # --- loading ---------------------------------------------------------------------------
@@ -216,6 +232,7 @@ class AccelerateCheckpointer:
             if step not in committed:
                 raise FlashCkptError(f"step {step} is neither committed in {self.root} nor held in memory by "
                                      f"every process; committed steps: {committed}")
+            declare_resume(ck, step)  # the stock loader reads it: this attempt continues that commit's lineage
             self._stock_load(self.checkpoint_path(step))
             self.resumed_from = (step, "storage")
         else:
@@ -259,8 +276,9 @@ class AccelerateCheckpointer:
             override = load_accelerator_state(folder, [], [], [], acc._dataloaders, acc.state.process_index, None)
             if "step" in override:
                 acc.step = override["step"]
-            for i, obj in enumerate(acc._custom_objects):
-                load_custom_state(obj, folder, i)
+            with quiet_about(folder, _QUIET):  # its "Loading the state of ... from <folder>" names a scratch folder
+                for i, obj in enumerate(acc._custom_objects):
+                    load_custom_state(obj, folder, i)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

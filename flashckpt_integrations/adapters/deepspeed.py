@@ -39,6 +39,7 @@ import fnmatch
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without deepspeed
     raise missing_dependency("deepspeed", "deepspeed") from exc
 
+from ._common import declare_resume, log_save  # noqa: E402
 from ._deepspeed_load import memory_sd_loader  # noqa: E402
 from ._transfer import exchange, gloo_group  # noqa: E402
 
@@ -170,9 +172,7 @@ class FlashCheckpointEngine(CheckpointEngine):
             latest = os.path.join(os.path.abspath(info.save_dir), LATEST)
             current.files[self._relative(latest, current)] = FileSpec(current.tag.encode(), Codec.BYTES)
         result = self.checkpointer.save(current.step, files=current.files, persist=current.persist)
-        self.last_save = result
-        logger.info("[RANK %d] %s: step %d %s (training held %.3fs)", self.checkpointer.rank, current.tag,
-                    current.step, result.status.value, result.blocking_s)
+        self.last_save = result  # save_checkpoint logs it, with the time of the whole call
         return result.ok
 
     def preserves_storage_sharing(self) -> bool:
@@ -190,13 +190,17 @@ class FlashCheckpointEngine(CheckpointEngine):
         *,
         persist: bool | None = None,
         files: Mapping[str, Any] | None = None,
+        report: bool = True,
     ) -> SaveResult | bool:
         """``DeepSpeedEngine.save_checkpoint`` into shared memory; persisted by policy or ``persist``.
 
         ``files`` adds files of the caller to the same step (paths relative to the step's
         directory), e.g. a trainer's own state. Returns the :class:`SaveResult` (DeepSpeed's own
         ``save_checkpoint`` returns True); a save outside the checkpoint directory is stock.
+        Logs once (INFO) how long the whole call held training and where the step lands;
+        ``report=False``: not logged (a trainer that logs its own save of the step).
         """
+        started = time.perf_counter()
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         tag = str(tag) if tag is not None else self.tag_format.format(step=self.engine.global_steps)
@@ -214,6 +218,9 @@ class FlashCheckpointEngine(CheckpointEngine):
             self._original_save(save_dir, tag, dict(client_state or {}), False, exclude_frozen_parameters)
         finally:
             self._current = None
+        if report and self.last_save is not None:
+            log_save(logger, self.checkpointer.rank, "DeepSpeed save_checkpoint", self.last_save, step_dir,
+                     time.perf_counter() - started)
         return self.last_save
 
     def load_checkpoint(
@@ -250,6 +257,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         if choice is None:
             return self._original_load(load_dir, tag, **kwargs)  # nothing of ours: e.g. a stock `latest`
         step, source = choice
+        declare_resume(self.checkpointer, step, source)  # DeepSpeed's loader reads it, not Checkpointer.load
         if tag is None and load_abs == self.checkpointer.url:
             tag = self.checkpointer.layout.step_path(step)
         if source == "memory":
@@ -540,7 +548,7 @@ def save_step(engine: Any, checkpointer: Checkpointer, step: int, files: Mapping
     trainer's ``files`` (relative to that directory), as one checkpoint committed together."""
     ensure_enabled(engine, checkpointer)
     step_dir = os.path.join(checkpointer.url, checkpointer.layout.step_path(step))
-    return engine.save_checkpoint(step_dir, persist=persist, files=files, **kwargs)
+    return engine.save_checkpoint(step_dir, persist=persist, files=files, report=False, **kwargs)
 
 
 def load_step(engine: Any, checkpointer: Checkpointer, step: int, files: Mapping[str, Any] | None = None,

@@ -52,6 +52,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -273,7 +274,12 @@ class FlashCkptTrainer(Trainer):
                 self._flash_snapshot(persist=False)
 
     def _flash_snapshot(self, persist: bool) -> SaveResult:
-        """Snapshot what ``Trainer._save_checkpoint`` would write for this step; persist it or not."""
+        """Snapshot what ``Trainer._save_checkpoint`` would write for this step; persist it or not.
+
+        Logs, once, the whole time this held training (building the files, the copy) and where
+        the checkpoint lands.
+        """
+        started = time.perf_counter()
         ck = self.flash_checkpointer
         if ck.config.async_snapshot and self._flash_attached is not self.optimizer and not self.is_deepspeed_enabled:
             ck.attach_optimizer(_torch_optimizer(self.optimizer))
@@ -288,7 +294,10 @@ class FlashCkptTrainer(Trainer):
         self.flash_last_save = result
         if persist:
             self._flash_saved_step = step
-        logger.info("flashckpt: step %d %s (training held %.3fs)", step, result.status.value, result.blocking_s)
+        held = time.perf_counter() - started
+        where = os.path.join(self.args.output_dir, ck.layout.step_path(step)) if persist else "shared memory only"
+        logger.info("flashckpt: checkpoint of step %d %s -> %s (training held %.3fs)", step, result.status.value,
+                    where, held)
         return result
 
     def _flash_files(self, step: int, persist: bool) -> dict[str, Any]:
@@ -366,12 +375,22 @@ class FlashCkptTrainer(Trainer):
         return out
 
     def _save_quietly(self, directory: str) -> None:
-        """``Trainer._save`` without the weights: config, generation config, tokenizer, training args."""
+        """``Trainer._save`` without the weights: config, generation config, tokenizer, training args.
+
+        Its "Saving model checkpoint to <directory>" would name a scratch folder: it is left out.
+        """
         bars = transformers.utils.logging.is_progress_bar_enabled()
         transformers.utils.logging.disable_progress_bar()
+        scratch_only = _DropMessagesNaming(directory)
+        loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+                   if name == "transformers" or name.startswith("transformers.")]
+        for each in loggers:
+            each.addFilter(scratch_only)
         try:
             self._save(directory, state_dict={})
         finally:
+            for each in loggers:
+                each.removeFilter(scratch_only)
             if bars:
                 transformers.utils.logging.enable_progress_bar()
 
@@ -422,8 +441,7 @@ class FlashCkptTrainer(Trainer):
         ignore_keys_for_eval: list[str] | None = None,
         **kwargs: Any,
     ) -> Any:
-        if resume_from_checkpoint is False:
-            resume_from_checkpoint = None
+        resume_from_checkpoint = _resume_flag(resume_from_checkpoint)
         self.flash_resumed_from = None
         self._flash_memory_due, self._flash_saved_step, self._flash_prepared = False, None, False
         flash = trial is None and self._flash_unsupported() is None
@@ -431,7 +449,10 @@ class FlashCkptTrainer(Trainer):
             ck = self.flash_checkpointer
             if resume_from_checkpoint is True:
                 resume_from_checkpoint = self._flash_resolve_resume(ck)
-            self._flash_warn_newer_commits(ck, resume_from_checkpoint)
+            elif resume_from_checkpoint is None:
+                self._flash_start_from_scratch(ck)
+            else:
+                self._flash_resume_from_path(ck, resume_from_checkpoint)
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -456,19 +477,51 @@ class FlashCkptTrainer(Trainer):
             # trainer_state.json, rng_state*.pth, config.json, ...: read by the stock resume code
             path = write_byte_files(files, prefix=f"flashckpt-memory-{PREFIX_CHECKPOINT_DIR}-{step}-")
             self._flash_resume = _MemoryResume(step, path, files)
+            ck.start_attempt(step, from_memory=True)  # (FSDP's and DeepSpeed's files come without ck.load)
             self.flash_resumed_from = (step, "memory")
             logger.warning("flashckpt: resuming from the shared-memory snapshot of step %d", step)
             return path
         committed = ck.committed_steps()
         if committed:
+            ck.start_attempt(committed[-1])  # this run continues the one that committed it
             self.flash_resumed_from = (committed[-1], "storage")
             logger.warning("flashckpt: resuming from committed checkpoint %d", committed[-1])
             return os.path.join(self.args.output_dir, ck.layout.step_path(committed[-1]))
+        ck.start_attempt(None)
         if os.path.isdir(self.args.output_dir) and get_last_checkpoint(self.args.output_dir) is not None:
             return True  # a checkpoint written by a plain Trainer: the stock lookup finds it
         logger.warning("flashckpt: no snapshot in memory and no checkpoint in %s; training starts from scratch",
                        self.args.output_dir)
         return None
+
+    def _flash_start_from_scratch(self, ck: Checkpointer) -> None:
+        """``resume_from_checkpoint=None``: a new run in ``output_dir``; say what of an earlier run it leaves."""
+        memory = newest_memory_step(ck)  # collective
+        committed = ck.committed_steps()
+        if self.args.should_save and (memory is not None or committed):
+            held = ([f"a shared-memory snapshot of step {memory}"] if memory is not None else []) + (
+                [f"committed checkpoints of steps {committed}"] if committed else [])
+            logger.warning(
+                "flashckpt: %s holds %s from an earlier run, and training starts from scratch "
+                "(resume_from_checkpoint=None): they are not resumed, and saves of the same steps replace them. "
+                "To resume instead, pass resume_from_checkpoint=True (--resume_from_checkpoint True).",
+                self.args.output_dir, " and ".join(held))
+        ck.start_attempt(None)
+
+    def _flash_resume_from_path(self, ck: Checkpointer, path: str) -> None:
+        """An explicit checkpoint path: resumed by the stock code; say so when memory holds a newer snapshot."""
+        step = _checkpoint_step(path)
+        memory = newest_memory_step(ck)  # collective
+        if self.args.should_save and memory is not None and (step is None or memory > step):
+            logger.warning(
+                "flashckpt: resuming from %s as asked, although shared memory holds a complete snapshot of the "
+                "newer step %d; it is not used. To resume from it, pass resume_from_checkpoint=True "
+                "(--resume_from_checkpoint True).", path, memory)
+        inside = os.path.normpath(os.path.dirname(os.path.normpath(path))) == os.path.normpath(self.args.output_dir)
+        try:
+            ck.start_attempt(step if inside and step is not None else None)
+        except FlashCkptError:  # not one of ours (e.g. written by a plain Trainer): a run of its own
+            ck.start_attempt(None)
 
     def _flash_memory_files(self, ck: Checkpointer, step: int) -> dict[str, Any]:
         """The files of the memory snapshot of ``step``; rank 0's on every rank, except each rank's own (collective)."""
@@ -494,18 +547,6 @@ class FlashCkptTrainer(Trainer):
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
         return model, train_dataloader
-
-    def _flash_warn_newer_commits(self, ck: Checkpointer, resume: Any) -> None:
-        if not self.args.should_save:
-            return
-        start = self._flash_resume.step if self._flash_resume is not None else None
-        if start is None and isinstance(resume, str):
-            name = os.path.basename(os.path.normpath(resume))
-            start = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else None
-        newer = [s for s in ck.committed_steps() if start is None or s > start]
-        if newer:
-            logger.warning("flashckpt: %s already holds committed checkpoints of steps %s; saving one of those "
-                           "steps again does not replace it", self.args.output_dir, newer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         memory = self._flash_resume
@@ -584,6 +625,43 @@ class FlashCkptTrainer(Trainer):
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+_RESUME_LATEST = {"true", "latest", "yes", "1"}
+_RESUME_NONE = {"false", "none", "no", "0", ""}
+
+
+def _resume_flag(value: Any) -> Any:
+    """``resume_from_checkpoint`` as a command line gives it: ``"True"``/``"latest"`` mean True."""
+    if value is False:
+        return None
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _RESUME_LATEST:
+            return True
+        if word in _RESUME_NONE:
+            return None
+    return value
+
+
+def _checkpoint_step(path: str) -> int | None:
+    """The step in a ``checkpoint-<N>`` path, or None."""
+    tail = os.path.basename(os.path.normpath(path)).rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+class _DropMessagesNaming(logging.Filter):
+    """Drops log records whose message names ``path`` (a scratch folder users never see)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return self.path not in record.getMessage()
+        except Exception:
+            return True
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -43,6 +43,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -54,7 +55,7 @@ from ..core.engine import Checkpointer
 from ..core.layout import Layout
 from ..core.results import PersistResult, SaveResult
 from ..errors import FlashCkptError, LayoutMismatchError, missing_dependency
-from ._common import newest_memory_step
+from ._common import declare_resume, log_save, newest_memory_step
 from ._transfer import exchange, gloo_group
 
 try:
@@ -180,6 +181,7 @@ class MegatronFlash:
     # --- save ------------------------------------------------------------------------------
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
         original = self._originals["save_checkpoint"]
         call = inspect.signature(original).bind(*args, **kwargs)
         margs = get_args()
@@ -195,8 +197,8 @@ class MegatronFlash:
         files = self._capture(ck, iteration, original, call)
         self.last_save = ck.save(iteration, files=files, persist=persist,
                                  metadata={"megatron": _parallel_sizes(margs)})
-        logger.info("[RANK %d] flashckpt: iteration %d %s (training held %.3fs)", ck.rank, iteration,
-                    self.last_save.status.value, self.last_save.blocking_s)
+        log_save(logger, ck.rank, "Megatron save_checkpoint", self.last_save,
+                 os.path.join(ck.url, LAYOUT.step_path(iteration)), time.perf_counter() - started)
 
     def _attach(self, ck: Checkpointer, optimizer: Any) -> None:
         """With ``async_snapshot``, make the torch optimizers inside Megatron's wait for the overlapped copy."""
@@ -243,6 +245,8 @@ class MegatronFlash:
             result = original(*args, **kwargs)
             iteration = result[0] if isinstance(result, tuple) else result
             self.last_load = (int(iteration), "storage") if iteration else None
+            if iteration:  # Megatron's own loader read it: this attempt continues that commit's lineage
+                declare_resume(ck, int(iteration))
             return result
         with self._serving(ck, step, load_dir):
             result = original(*args, **kwargs)

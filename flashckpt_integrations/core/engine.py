@@ -251,24 +251,30 @@ class Checkpointer:
         view = self._lineage_view()
         return {step: record for step, record in commit_records(self.storage).items() if view.accepts(record, step)}
 
-    def start_attempt(self, resumed_step: int | None = None) -> None:
+    def start_attempt(self, resumed_step: int | None = None, *, from_memory: bool = False) -> None:
         """Say how this attempt starts (collective, once; ``load()`` and the first ``save()`` say it
         themselves when it was not said before).
 
         ``None``: from scratch. Snapshots and commits of earlier attempts are then never loaded
         by this attempt or its restarts, and its saves of steps they committed replace them.
-        A step: resumed from that committed step by other code (a framework's own loader);
-        this attempt continues the lineage of that commit.
+        A step: resumed from that committed step (or, ``from_memory``, from this job's memory
+        snapshot of it) by other code, e.g. a framework's own loader; this attempt continues the
+        lineage that wrote it.
         """
         self._check_open()
         if self._decided:
             return
-        parent = None
-        if resumed_step is not None:
-            parent = self._commit_records().get(resumed_step)
+        if resumed_step is None:
+            self._begin(None, None)
+            return
+        if from_memory:  # rank 0's tag names the lineage; every rank holds the step (the caller checked)
+            snapshot = self._memory_snapshots().get(resumed_step)
+            parent = (snapshot[1].get("tag") if snapshot is not None else None) or {}
+        else:  # every rank reads the same record
+            parent = self._any_record(resumed_step, self._commit_records())
             if parent is None:
                 raise CheckpointNotFoundError(
-                    f"step {resumed_step} is not a committed step of {self.url} (committed: {self.committed_steps()})")
+                    f"step {resumed_step} is not committed in {self.url}; committed: {self.committed_steps()}")
         self._begin(parent, resumed_step)
 
     def _begin(self, parent: Mapping[str, Any] | None, fork_step: int | None) -> None:
