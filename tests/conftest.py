@@ -1,6 +1,7 @@
 import os
 import shutil
 import uuid
+import zipfile
 
 import pytest
 
@@ -16,6 +17,34 @@ def private_shm_dir(monkeypatch):
     monkeypatch.setenv("FLASHCKPT_SHM_DIR", path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+TORCH_ZIP_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+@pytest.fixture(autouse=True)
+def every_torch_file_is_a_valid_zip(request):
+    """After each test, every torch zip file left under its temporary directory passes zipfile's
+    CRC check (archive checkers and uploaders reject a file that does not)."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    root = str(request.getfixturevalue("tmp_path"))  # set up before this fixture: torn down after it
+    yield
+    bad = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if not name.endswith(TORCH_ZIP_SUFFIXES) or not zipfile.is_zipfile(path):
+                continue
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    broken = archive.testzip()
+            except (zipfile.BadZipFile, OSError) as exc:
+                broken = str(exc)
+            if broken is not None:
+                bad.append(f"{os.path.relpath(path, root)}: {broken}")
+    assert not bad, f"torch files that are not valid zips: {bad}"
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,6 +79,21 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
         assert b != b, where
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+SAVE_LINE = re.compile(r"\[RANK (\d+)\] flashckpt: (.+?) of step (\d+) (\w+) (.*) \(training held ([0-9.]+)s\)$")
+"""The one INFO line an adapter logs per framework-level save (``adapters._common.log_save``)."""
+
+
+def save_lines(messages: list[str], call: str) -> list[tuple[int, int, str, str, float]]:
+    """``(rank, step, status, where, held_s)`` of every save line of ``call`` among log ``messages``."""
+    out = []
+    for message in messages:
+        match = SAVE_LINE.search(message)
+        if match is not None and match.group(2) == call:
+            rank, _, step, status, where, held = match.groups()
+            out.append((int(rank), int(step), status, where, float(held)))
+    return out
 
 
 def marker_names(marker_dir: Any) -> list[str]:

@@ -97,9 +97,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def job_leftovers(ckpt_dir: str) -> tuple[list[int], list[str]]:
     """Saver processes and shared-memory slots that the job of ``ckpt_dir`` still has."""
-    from flashckpt_integrations.core.client import job_key
+    from flashckpt_integrations.core.client import job_id_for, job_key
 
-    key = job_key(os.path.abspath(ckpt_dir))
+    key = job_key(job_id_for(os.path.abspath(ckpt_dir)))  # named as its Checkpointer names it
     pids = []
     for cmdline_path in glob.glob("/proc/[0-9]*/cmdline"):
         try:

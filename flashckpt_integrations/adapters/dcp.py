@@ -62,6 +62,7 @@ from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..core.state import Codec, FileSpec
 from ..errors import CheckpointNotFoundError, FlashCkptError, LayoutMismatchError, missing_dependency
+from ._common import declare_resume, log_save, step_destination
 from .pipeline import ModelState, OptimizerState, as_stateful
 
 try:
@@ -313,12 +314,17 @@ def save(
     planner: Any = None,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
 ) -> SaveResult:
-    """Snapshot ``state`` as a DCP checkpoint of ``step`` (collective); see the module doc."""
+    """Snapshot ``state`` as a DCP checkpoint of ``step`` (collective); see the module doc.
+
+    The result's ``blocking_s`` is the whole call (planning and the copy); it is logged once (INFO)
+    with where the step lands.
+    """
     started = time.perf_counter()
     files = dcp_files(state, folder=folder, process_group=checkpointer.process_group, planner=planner,
                       timeout_s=timeout_s)
     result = checkpointer.save(step, files=files, persist=persist)
     result.blocking_s = time.perf_counter() - started
+    log_save(logger, checkpointer.rank, "DCP save", result, step_destination(checkpointer, step), result.blocking_s)
     return result
 
 
@@ -382,6 +388,7 @@ def load(
     if chosen is None:
         return None
     step, source = chosen
+    declare_resume(ck, step, source)  # read by DCP's loader (or from the slots), not by Checkpointer.load
     started = time.perf_counter()
     stateful = as_stateful(state)
     if source == "memory":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from ..core.engine import Checkpointer
 from ..core.results import SaveResult
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, LayoutMismatchError, missing_dependency
+from ._common import declare_resume, log_save, step_destination
 from .dcp import COLLECTIVE_TIMEOUT_S, DcpLoadResult, _check_in, resolve_step
 
 try:
@@ -139,10 +141,17 @@ def save_full(
     optimizer_file: str = OPTIMIZER_FILE,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
 ) -> SaveResult:
-    """Gather the full state to rank 0 and snapshot it (collective); see the module doc."""
+    """Gather the full state to rank 0 and snapshot it (collective); see the module doc.
+
+    Logs once (INFO) how long the whole call (gathering included) held training and where the step lands.
+    """
+    started = time.perf_counter()
     _check_in("save_full", checkpointer.process_group, timeout_s)
     files = full_state_files(model, optimizer, model_file=model_file, optimizer_file=optimizer_file)
-    return checkpointer.save(step, files=files, persist=persist)
+    result = checkpointer.save(step, files=files, persist=persist)
+    log_save(logger, checkpointer.rank, "FSDP save_full", result, step_destination(checkpointer, step),
+             time.perf_counter() - started)
+    return result
 
 
 def load_full(
@@ -165,6 +174,8 @@ def load_full(
     step, source = chosen
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
+    if source == "storage":  # read with read_file, not Checkpointer.load: this attempt continues that commit
+        declare_resume(ck, step)
     if source == "memory":
         files = ck.load(step, map_location="cpu").files  # collective; rank 0 alone holds files
     elif ck.rank == 0:

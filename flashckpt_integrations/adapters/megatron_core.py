@@ -8,6 +8,7 @@ strategy = FlashTorchDistSaveStrategy()            # one per job, on every rank
 dist_checkpointing.save(sharded_state_dict, "ckpt/iter_0000100", sharded_strategy=strategy)
 strategy.last_save.wait()                          # optional: until every rank's files are committed
 state = dist_checkpointing.load(sharded_state_dict, "ckpt/iter_0000100")   # the stock loader
+strategy.resumed_from("ckpt/iter_0000100")        # after a resume: before the first save, on every rank
 ```
 
 ``save`` translates the sharded state dict as megatron-core's ``TorchDistSaveShardedStrategy``
@@ -17,6 +18,9 @@ shared-memory slot and returns; the node's saver writes the standard ``torch_dis
 checkpoint directory's name carries the step (``iter_0000100``, ``step-100``): a checkpoint counts
 once ``<parent>/.flashckpt/steps/<N>/COMMITTED`` exists (``metadata.json`` is written by
 ``dist_checkpointing.save`` itself, at once). ``persist=False`` keeps saves in memory only.
+A job that resumed with the stock loader says so with :meth:`FlashTorchDistSaveStrategy.resumed_from`
+before its first save: otherwise it counts as a fresh start, and once it saves, its restarts no
+longer see the checkpoints of the run it resumed.
 
 Only megatron-core is needed (any release with ``strategies.torch``, 0.16 and newer); for
 Megatron-LM's ``save_checkpoint`` see :mod:`.megatron`.
@@ -25,8 +29,10 @@ Megatron-LM's ``save_checkpoint`` see :mod:`.megatron`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +43,7 @@ from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..errors import missing_dependency
 from . import dcp as flash_dcp
+from ._common import declare_resume, log_save
 
 try:
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -47,6 +54,8 @@ try:
     )
 except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
     raise missing_dependency("megatron-core", "megatron") from exc
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FlashTorchDistSaveStrategy", "step_layout"]
 
@@ -97,7 +106,23 @@ class FlashTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
             self._checkpointers[key] = Checkpointer(root, CheckpointerConfig(**self._fields, layout=layout))
         return self._checkpointers[key]
 
+    def resumed_from(self, checkpoint_dir: str | os.PathLike) -> None:
+        """Say that this job resumed from ``checkpoint_dir`` (read by the stock ``dist_checkpointing.load``).
+
+        Collective: every rank, before the first save into the same parent directory. Saves then
+        continue the lineage of that checkpoint, so a restart still finds it (and the run's older
+        commits) until newer ones are committed.
+        """
+        _, step, _ = step_layout(checkpoint_dir)
+        declare_resume(self.checkpointer(checkpoint_dir), step)
+
     def save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> None:
+        """Snapshot the shards into memory (and persist them); logs once (INFO) the time this call held training.
+
+        That time covers this strategy's part of ``dist_checkpointing.save`` (translating, planning, the
+        copy), not the stock steps around it (``common.pt``, ``metadata.json``, validation).
+        """
+        started = time.perf_counter()
         _, step, _ = step_layout(checkpoint_dir)
         ck = self.checkpointer(checkpoint_dir)
         state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
@@ -106,6 +131,8 @@ class FlashTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         files = flash_dcp.dcp_files(mcore_to_pyt_state_dict(state, False), process_group=ck.process_group,
                                     planner=planner)
         self.last_save = ck.save(step, files=files, persist=self.persist)
+        log_save(logger, ck.rank, "megatron-core dist_checkpointing.save", self.last_save,
+                 os.path.abspath(os.fspath(checkpoint_dir)), time.perf_counter() - started)
 
     def async_save(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(

@@ -137,6 +137,14 @@ def provisional_view(storage: Storage) -> View:
     return View(dir_id, None, caps)
 
 
+def view_of(storage: Storage, tag: Mapping[str, Any] | None) -> View:
+    """The view of the attempt that stamped ``tag`` (what a launcher persisting its snapshot compares with)."""
+    tag = tag or {}
+    number = int(tag.get("lineage", LEGACY))
+    caps = _chain(read_records(storage), number) if number != LEGACY else ((LEGACY, None),)
+    return View(tag.get("dir"), number, caps)
+
+
 def begin(storage: Storage, parent: Mapping[str, Any] | None, fork_step: int | None) -> View:
     """Record a new attempt (rank 0): resumed from ``parent``'s tag at ``fork_step``, or from scratch.
 

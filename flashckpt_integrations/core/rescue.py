@@ -32,8 +32,18 @@ from typing import IO, Any
 
 from .. import knobs
 from ..errors import FlashCkptError
+from . import lineage
 from .client import job_id_for, job_key
-from .layout import COMMITTED, FAILED, META_DIR, Layout, commit_record, committed_steps, failure_record
+from .layout import (
+    COMMITTED,
+    FAILED,
+    META_DIR,
+    Layout,
+    commit_record,
+    commit_records,
+    committed_steps,
+    failure_record,
+)
 from .protocol import SLOTS_FILE
 from .saver import Saver
 from .shm_buffer import Slot, SlotState
@@ -208,7 +218,9 @@ def persist_newest(slots: Mapping[int, Sequence[str]], *, progress: Progress | N
         return RescueResult(RescueStatus.FAILED, "the snapshots carry no persist target (taken by an older "
                             "flashckpt-integrations); they can only be loaded by the job itself")
     storage = storage_from_url(target["root"], target.get("storage_options"), target.get("storage_factory"))
-    committed = committed_steps(storage)
+    newest = max(snapshots, key=lambda s: s.step)
+    view = lineage.view_of(storage, newest.meta.get("tag"))  # commits of abandoned attempts do not count
+    committed = sorted(s for s, record in commit_records(storage).items() if view.accepts(record, s))
     step, why = choose_step(held, committed[-1] if committed else None)
     if step is None:
         return RescueResult(RescueStatus.NOTHING, why)
@@ -265,8 +277,12 @@ def _persist_and_commit(chosen: Sequence[Snapshot], storage: Storage, progress: 
 
 
 def _request(snapshot: Snapshot, commit_timeout: float | None) -> dict[str, Any]:
+    tag = snapshot.meta.get("tag") or {}
+    asked = snapshot.meta.get("persist") or {}  # a snapshot that was to be persisted keeps its save id
+    sid = asked.get("sid") or (f"a{tag['lineage']}r" if "lineage" in tag else "")
     request = {**snapshot.target, "rank": snapshot.rank, "world_size": snapshot.meta["world_size"],
-               "step": snapshot.step, "seq": snapshot.seq, "slot": snapshot.path, "recovered": True}
+               "step": snapshot.step, "seq": snapshot.seq, "slot": snapshot.path, "recovered": True,
+               "sid": sid, "tag": tag}
     if commit_timeout is not None:
         request["commit_timeout"] = commit_timeout
     return request

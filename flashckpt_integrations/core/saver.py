@@ -614,7 +614,6 @@ def _remove_run_dir(run_dir: str) -> None:
     into the directory meanwhile makes the final ``rmdir`` fail, and the directory stays.
     """
     own = {LOCK_NAME, SPAWN_LOCK_NAME, LOG_NAME}
-    import shutil; shutil.copy(os.path.join(run_dir, LOG_NAME), f"/tmp/debuglog-{os.getpid()}.log")  # DEBUG-TEMP
     spawn_fd = None
     try:
         with contextlib.suppress(FileNotFoundError):

@@ -1,5 +1,7 @@
 """A reused DCP plan resolves every item exactly as DCP's planner does, and what it saves loads with stock DCP."""
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from flashckpt_integrations.adapters import dcp as flash_dcp
+from tests.helpers import save_lines
 
 
 @pytest.fixture
@@ -53,8 +56,18 @@ def test_reused_plan_resolves_items_like_dcp(group):
             assert got.data_ptr() == want.data_ptr() and got.shape == want.shape and got.stride() == want.stride()
 
 
-def test_saves_through_a_reused_plan_load_with_stock_dcp(group, make_checkpointer, tmp_path):
+def test_saves_through_a_reused_plan_load_with_stock_dcp(group, make_checkpointer, tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO)
     ck = make_checkpointer(layout=flash_dcp.LAYOUT)
+    core_blocking = {}  # Checkpointer.save's own stall; flash_dcp.save's blocking_s adds the planning to it
+    core_save = ck.save
+
+    def save(step, **kwargs):
+        result = core_save(step, **kwargs)
+        core_blocking[step] = result.blocking_s
+        return result
+
+    monkeypatch.setattr(ck, "save", save)
     for step, note in ((1, "short"), (2, "short"), (3, "a note that no longer fits the planned bytes " * 40)):
         result = flash_dcp.save(ck, step, make_state(group, step, note))
         assert result.wait(60).committed, step
@@ -69,3 +82,7 @@ def test_saves_through_a_reused_plan_load_with_stock_dcp(group, make_checkpointe
                                value.full_tensor() if hasattr(value, "full_tensor") else value.detach()), (step, key)
         assert target["extra"] == want["extra"], step
     ck.close()
+    lines = save_lines([r.getMessage() for r in caplog.records], "DCP save")
+    expected = [(0, step, "persisting", f"to {tmp_path / 'ckpt' / f'step-{step}'}") for step in (1, 2, 3)]
+    assert [line[:4] for line in lines] == expected, lines
+    assert all(held + 0.0005 >= core_blocking[step] for _, step, _, _, held in lines), (lines, core_blocking)

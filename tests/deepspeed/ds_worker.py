@@ -10,6 +10,7 @@ Phases (``--phase``), each over the ZeRO stages given by ``--stages``, one direc
   step 2 from storage and trains to 5; (d) zero_to_fp32 consolidates step 2. Every final state
   must equal the uninterrupted run's, bit for bit.
 * ``bad``: an overlapped (``async_snapshot``) save reloads equal; then a non-step tag, a save on rank 0 only.
+  Records the INFO log messages of the phase (``logs``) and the saves' ``blocking_s``.
 
 Each rank writes ``<out>/rank-<r>.json`` with what it saw.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -126,6 +128,7 @@ def check_async_snapshot(stage: int, ckpt: str, rec: dict) -> None:
     train_to(engine, 2)
     at_save = full_params(engine)
     result = engine.save_checkpoint(ckpt)
+    rec["blocking_s"] = {str(result.step): result.blocking_s}
     train_to(engine, 4)  # changes the parameters only after the snapshot copy is done
     committed = flash.wait()
     flash.close()
@@ -136,7 +139,22 @@ def check_async_snapshot(stage: int, ckpt: str, rec: dict) -> None:
     flash.close()
 
 
+class Messages(logging.Handler):
+    """Every log message of this process at INFO and above (propagated to the root logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def phase_bad(args, stage: int, ckpt: str, rec: dict) -> None:
+    messages = Messages()
+    logging.getLogger().addHandler(messages)
+    logging.getLogger("flashckpt_integrations").setLevel(logging.INFO)
+    rec["logs"] = messages.messages
     check_async_snapshot(stage, ckpt + "-async", rec)
     engine = build(stage, seed=0)
     flash = flash_ds.enable(engine, ckpt, barrier_timeout_s=3)

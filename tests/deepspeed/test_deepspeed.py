@@ -12,6 +12,7 @@ pytest.importorskip("deepspeed")
 
 from tests.deepspeed.launch import files_under, records, run_worker  # noqa: E402
 from tests.distributed.launch import REPO  # noqa: E402
+from tests.helpers import save_lines  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -53,10 +54,16 @@ def test_async_snapshot_and_bad_input(tmp_path):
     result = run_worker("bad", ckpt, tmp_path / "out", stages="1")
     assert result.returncode == 0, result.stderr[-5000:]
     recs = records(tmp_path / "out")
-    for rec in recs:
+    for rank, rec in enumerate(recs):
         assert rec["async"] == ["persisting", True, [2, "storage"], True], rec["async"]
+        # one INFO line for the one save that happened: the step's real folder, the whole call's stall
+        lines = save_lines(rec["logs"], "DeepSpeed save_checkpoint")
+        assert [line[:4] for line in lines] == [(rank, 2, "persisting", f"to {ckpt}/stage1-async/global_step2")], rec
+        assert lines[0][4] + 0.0005 >= rec["blocking_s"]["2"], (lines, rec["blocking_s"])
+        assert not [m for m in rec["logs"] if "flashckpt-files" in m], rec["logs"]
         assert "'best' does not name a training step" in rec["tag"] and "global_step" in rec["tag"]
         assert rec["memory_steps"] == []
+    assert "flashckpt-files" not in result.stdout + result.stderr
     assert "was not called by every one of the 2 ranks" in recs[0]["one_rank"]
     assert "Nothing of this step was saved" in recs[0]["one_rank"]
     stage_dir = ckpt / "stage1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 from flashckpt_integrations.adapters.accelerate import AccelerateCheckpointer, enable  # noqa: E402
 from flashckpt_integrations.errors import LayoutMismatchError  # noqa: E402
+from tests.helpers import save_lines  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples", "hf")
@@ -95,13 +97,16 @@ def test_save_state_persists_accelerate_folders_that_stock_load_state_reads(tmp_
     assert counter2.count == 6 and scheduler2.state_dict() == scheduler.state_dict()
 
 
-def test_load_state_prefers_a_newer_memory_snapshot_and_restores_everything(tmp_path):
+def test_load_state_prefers_a_newer_memory_snapshot_and_restores_everything(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     accelerator, model, optimizer, scheduler, counter = _setup(tmp_path / "proj")
     flash = AccelerateCheckpointer(accelerator)
     _train(model, optimizer, scheduler, counter, 2)
-    assert flash.save_state(2).wait().committed
+    saves = {2: flash.save_state(2)}
+    assert saves[2].wait().committed
     _train(model, optimizer, scheduler, counter, 3)
-    assert flash.save_state(5, persist=False).status.value == "in_memory"
+    saves[5] = flash.save_state(5, persist=False)
+    assert saves[5].status.value == "in_memory"
     expected, rng = _state(model, optimizer), torch.get_rng_state()
     _train(model, optimizer, scheduler, counter, 2)  # progress that a crash would lose
 
@@ -110,10 +115,40 @@ def test_load_state_prefers_a_newer_memory_snapshot_and_restores_everything(tmp_
     assert counter.count == 5 and scheduler.scheduler.last_epoch == 5
     assert torch.equal(torch.get_rng_state(), rng)
     assert accelerator.project_configuration.iteration == 6
-    assert flash.save_state(8, persist=False).ok  # the two slots now hold steps 5 and 8
+    saves[8] = flash.save_state(8, persist=False)
+    assert saves[8].ok  # the two slots now hold steps 5 and 8
     assert flash.load_state(2) == (2, "storage")  # an explicit step that only storage holds
     assert counter.count == 2
     flash.close()
+    # One INFO line per save: its real folder (or memory only) and the whole time it held training.
+    messages = [r.getMessage() for r in caplog.records]
+    lines = save_lines(messages, "accelerate save_state")
+    assert [(rank, step, status) for rank, step, status, _, _ in lines] == [
+        (0, 2, "persisting"), (0, 5, "in_memory"), (0, 8, "in_memory")], messages
+    assert lines[0][3] == f"to {tmp_path / 'proj' / 'checkpoints' / 'checkpoint_2'}"
+    assert lines[1][3] == lines[2][3] == "(memory only, not persisted)"
+    for _, step, _, _, held in lines:
+        assert held + 0.0005 >= saves[step].blocking_s, (step, held, saves[step].blocking_s)
+    assert not [m for m in messages if "flashckpt-files" in m or "flashckpt-memory" in m], messages
+
+
+def test_a_resume_from_storage_is_still_found_by_the_restart_after_it(tmp_path):
+    """Run 1 commits step 2. Run 2 resumes it from storage (its memory is gone), takes a memory-only
+    snapshot and dies, its memory lost too; run 3 must still find step 2 (run 2 continued its lineage)."""
+    project = tmp_path / "proj"
+    accelerator, model, optimizer, scheduler, counter = _setup(project)
+    flash = AccelerateCheckpointer(accelerator)
+    _train(model, optimizer, scheduler, counter, 2)
+    assert flash.save_state(2).wait().committed
+    flash.close()  # frees the shared memory: the next run resumes from storage
+    for run in (2, 3):
+        accelerator, model, optimizer, scheduler, counter = _setup(project, seed=run)
+        flash = AccelerateCheckpointer(accelerator)
+        assert flash.load_state() == (2, "storage"), run
+        assert counter.count == 2
+        _train(model, optimizer, scheduler, counter, 1)
+        assert flash.save_state(3, persist=False).ok
+        flash.close()  # the memory-only snapshot is lost, as in a crash on another node
 
 
 def test_bad_input_is_refused_with_what_to_do(tmp_path):

@@ -217,7 +217,7 @@ def test_models_over_the_shard_size_are_split_like_save_pretrained(tmp_path, mon
 
 
 CRASH_DURING_PERSIST = """
-import os, subprocess, sys, time
+import glob, os, subprocess, sys, time
 from transformers import TrainerCallback
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer
 from tests.helpers import saver_pids
@@ -229,9 +229,9 @@ class CrashDuringPersist(TrainerCallback):
     # the save.
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == 12:
-            staging = os.path.join(args.output_dir, ".flashckpt", "staging", "checkpoint-12")
+            staging = os.path.join(args.output_dir, ".flashckpt", "staging", "*", "checkpoint-12")
             deadline = time.monotonic() + 30
-            while not os.path.isdir(staging) and time.monotonic() < deadline:
+            while not glob.glob(staging) and time.monotonic() < deadline:
                 time.sleep(0.01)
             pids = saver_pids(trainer.flash_checkpointer.run_dir)
             subprocess.run(["kill", "-9", *map(str, pids), str(os.getpid())])

@@ -32,6 +32,8 @@ TRAIN = os.path.join(REPO, "examples", "ddp", "train.py")
 WORKER = os.path.join(REPO, "tests", "launcher", "worker.py")
 TRAIN_ARGS = ["--steps", "12", "--save-every", "2", "--persist-every", "10", "--hidden", "32", "--batch-size", "8"]
 CRASH_AT = 6
+KEEP_LOG = {"FLASHCKPT_SAVER_KEEP_RUN_DIR": "1"}
+"""For the tests that read the saver's log once the job is over: a job that closed cleanly removes it."""
 
 
 def torchrun(*options):
@@ -128,7 +130,7 @@ def test_plain_torchrun_restart_resumes_from_memory(tmp_path, reference, reaper)
     fresh_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     rc, output = finish(start(torchrun("--max-restarts", "1") + [TRAIN, "--ckpt-dir", ckpt, "--out", out,
                                                                   *TRAIN_ARGS, "--crash-at-step", CRASH_AT],
-                              **fresh_store))
+                              **fresh_store, **KEEP_LOG))
     assert rc == 0, output[-5000:]
     assert f"SIGKILL after the save at step {CRASH_AT}" in output
     result = summary(output)
@@ -143,7 +145,7 @@ def test_plain_torchrun_restart_resumes_from_memory(tmp_path, reference, reaper)
 def test_flashckpt_run_persists_on_failure_and_restarts_from_memory(tmp_path, reference, reaper):
     ckpt, out = tmp_path / "ckpt", tmp_path / "final.pt"
     proc = start(flashckpt_run("--max-restarts", "1", "--checkpoint-dir", ckpt)
-                 + [TRAIN, "--ckpt-dir", ckpt, "--out", out, *TRAIN_ARGS, "--crash-at-step", CRASH_AT])
+                 + [TRAIN, "--ckpt-dir", ckpt, "--out", out, *TRAIN_ARGS, "--crash-at-step", CRASH_AT], **KEEP_LOG)
     rc, output = finish(proc)
     assert rc == 0, output[-5000:]
     assert f"rank 0 failed on host {socket.gethostname()}" in output and "(SIGKILL)" in output, output[-5000:]

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from flashckpt_integrations.core.layout import Layout, committed_steps, read_json
+from flashckpt_integrations.core.layout import Layout, commit_record, committed_steps, read_json
 from flashckpt_integrations.core.rescue import (
     RescueStatus,
     job_slots,
@@ -106,7 +106,8 @@ def test_meets_a_saver_persisting_the_same_snapshot(make_checkpointer, tmp_path,
     held, _ = read_snapshots(job_slots(ckpt))
     storage = LocalStorage(str(ckpt))
     for rank in (0, 1):  # the durable files are those of the very snapshots in memory
-        assert read_json(storage, Layout().rank_marker(3, rank))["seq"] == held[rank][3].seq
+        sid = commit_record(storage, 3)["sid"]
+        assert read_json(storage, Layout().rank_marker(3, rank, sid=sid))["seq"] == held[rank][3].seq
     assert marker_names(ckpt / ".flashckpt" / "steps" / "3") == ["COMMITTED", "rank-0.done", "rank-1.done"]
     assert_files(ckpt, 3)
 
