@@ -47,23 +47,28 @@ class _ChecksumWriter:
         self.size = 0
         self.error: OSError | None = None
         self._crc = 0
+        self._failed: Exception | None = None
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._checksum, name="flashckpt-crc32", daemon=True)
         self._thread.start()
 
     def _checksum(self) -> None:
         while (chunk := self._chunks.get()) is not None:
-            if isinstance(chunk, tuple):  # (view, reply): the view's own CRC is wanted
-                view, reply = chunk
-                try:
+            # (view, reply): the view's own CRC is wanted as well
+            view, reply = chunk if isinstance(chunk, tuple) else (chunk, None)
+            try:
+                if self._failed is not None:
+                    raise self._failed
+                if reply is None:
+                    self._crc = zlib.crc32(view, self._crc)
+                else:
                     crc = zlib.crc32(view)
                     self._crc = crc32_combine(self._crc, crc, len(view))
                     reply.put(crc)
-                except BaseException as exc:  # never leave the writer waiting
+            except Exception as exc:  # keep draining: never leave a writer waiting for its reply
+                self._failed = exc
+                if reply is not None:
                     reply.put(exc)
-                    raise
-            else:
-                self._crc = zlib.crc32(chunk, self._crc)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -78,7 +83,7 @@ class _ChecksumWriter:
         self._chunks.put((view, reply))
         self._write(view)
         crc = reply.get()
-        if isinstance(crc, BaseException):
+        if isinstance(crc, Exception):
             raise crc
         return crc
 
@@ -99,6 +104,8 @@ class _ChecksumWriter:
         self._thread.join()
         if self.error is not None:
             raise self.error
+        if self._failed is not None:
+            raise self._failed
         return self._crc
 
 

@@ -159,16 +159,29 @@ def _switch(storage: Storage, layout: Layout, request: dict[str, Any], markers: 
             # The switch: from this write on, the new save is the one that loads (from where it is).
             write_json(storage, f"{layout.marker_dir(step)}/{COMMITTED}",
                        {**record, "files_dir": base, "final_dir": final, "replaces": (old or {}).get("sid")})
-            fault_point("saver.supersede")  # switched, the new files not yet in place
-            if storage.exists(final):
-                trash = f"{META_DIR}/trash/{step}-{uuid.uuid4().hex[:8]}"
-                storage.rename(final, trash)
-            storage.rename(base, final)
+            _write_tracker(storage, layout, request, step)
+            try:
+                fault_point("saver.supersede")  # switched, the new files not yet in place
+                trash = _move_into_place(storage, base, final, step)
+            except Exception as exc:  # committed all the same: the record names where the files are
+                logger.error("step %d is committed, but its files stay in %s for now (the next commit of the "
+                             "step's save moves them): %s", step, base, exc)
+                return
         if sid:
             storage.remove(f"{META_DIR}/staging/{sid}")  # the save's own staging folder, empty now
     _write_tracker(storage, layout, request, step)
     write_json(storage, f"{layout.marker_dir(step)}/{COMMITTED}", {**record, "files_dir": final})
     _remove_replaced(storage, layout, step, sid, trash)
+
+
+def _move_into_place(storage: Storage, base: str, final: str, step: int) -> str | None:
+    """Move the staged files to ``final``, the files there out of the way first; returns where those went."""
+    trash = None
+    if storage.exists(final):
+        trash = f"{META_DIR}/trash/{step}-{uuid.uuid4().hex[:8]}"
+        storage.rename(final, trash)
+    storage.rename(base, final)
+    return trash
 
 
 def finish_switch(storage: Storage, layout: Layout, step: int) -> None:
@@ -179,9 +192,7 @@ def finish_switch(storage: Storage, layout: Layout, step: int) -> None:
     fault_point("saver.supersede")
     base, final = record["files_dir"], record["final_dir"]
     if storage.exists(base):
-        if storage.exists(final):
-            storage.rename(final, f"{META_DIR}/trash/{step}-{uuid.uuid4().hex[:8]}")
-        storage.rename(base, final)
+        _move_into_place(storage, base, final, step)
     write_json(storage, f"{layout.marker_dir(step)}/{COMMITTED}",
                {k: v for k, v in record.items() if k not in ("final_dir", "replaces")} | {"files_dir": final})
     _remove_replaced(storage, layout, step, record.get("sid", ""), None)

@@ -378,10 +378,23 @@ class FsspecStorage:
             raise _wrap("remove", path, exc) from exc
 
     def rename(self, src: str, dst: str) -> None:
+        """Move a file or a directory tree. On an object store: copy every object, then delete
+        the originals (no directory objects are assumed to exist)."""
         try:
-            if self.fs.exists(self._abs(dst)):
+            if self.fs.exists(self._fresh(dst)):
                 raise FileExistsError(errno.EEXIST, "destination exists", dst)
-            self.fs.mv(self._abs(src), self._abs(dst), recursive=True)
+            if not self._atomic_put:
+                self.fs.mv(self._abs(src), self._abs(dst), recursive=True)
+                return
+            source = self._fresh(src)
+            keys = self.fs.find(source)
+            if not keys:
+                raise FileNotFoundError(errno.ENOENT, "nothing to move", src)
+            for key in keys:
+                self.fs.copy(key, self._abs(dst) + key[len(source):])
+            self.fs.rm(keys)
+            self.fs.invalidate_cache(source)
+            self.fs.invalidate_cache(self._abs(dst))
         except Exception as exc:
             raise _wrap("rename", src, exc) from exc
 

@@ -1,6 +1,7 @@
 """Storage backends, their failures, and object storage on a real S3-compatible server."""
 
 import contextlib
+import io
 import os
 import subprocess
 
@@ -141,3 +142,19 @@ def test_stale_temporaries_of_written_files_are_removed(tmp_path):
     remove_stale_temporaries(storage, ["d/x.pt", "e/z"])
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [".y.pt.tmp-5e6f7a8b", "x.pt"]
     assert not list((tmp_path / "e").iterdir())
+
+
+def test_s3_identity_is_created_once_and_a_committed_step_is_superseded(s3_server, make_checkpointer):
+    from flashckpt_integrations.core.lineage import ensure_identity
+    from flashckpt_integrations.core.storage import create_exclusive
+
+    url = f"s3://{s3_server.make_bucket('lineage')}/run"
+    fs = FsspecStorage(url, **s3_server.storage_options)
+    assert create_exclusive(fs, "x/once", b"first") and not create_exclusive(fs, "x/once", b"second")
+    assert fs.read("x/once") == b"first"  # a conditional put: the second writer does not overwrite
+    assert len({ensure_identity(FsspecStorage(url, **s3_server.storage_options)) for _ in range(3)}) == 1
+    ck = make_checkpointer(url, storage_options=s3_server.storage_options)
+    assert ck.save(3, {"w": torch.ones(100)}).wait(60).committed
+    assert ck.save(3, {"w": torch.full((100,), 2.0)}).wait(60).committed
+    assert torch.equal(ck.load(3, prefer_memory=False).state["w"], torch.full((100,), 2.0))
+    assert torch.equal(torch.load(io.BytesIO(fs.read("step-3/rank-0.pt")))["w"], torch.full((100,), 2.0))
