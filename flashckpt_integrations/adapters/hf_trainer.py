@@ -70,7 +70,15 @@ from ..core.retention import RetentionPolicy
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, missing_dependency
 from . import _hf_deepspeed, _hf_fsdp
-from ._common import files_written_by, newest_memory_step, share_from_rank0, write_byte_files
+from ._common import (
+    files_written_by,
+    log_save,
+    newest_memory_step,
+    quiet_about,
+    share_from_rank0,
+    step_destination,
+    write_byte_files,
+)
 
 try:
     import transformers
@@ -294,10 +302,7 @@ class FlashCkptTrainer(Trainer):
         self.flash_last_save = result
         if persist:
             self._flash_saved_step = step
-        held = time.perf_counter() - started
-        where = os.path.join(self.args.output_dir, ck.layout.step_path(step)) if persist else "shared memory only"
-        logger.info("flashckpt: checkpoint of step %d %s -> %s (training held %.3fs)", step, result.status.value,
-                    where, held)
+        log_save(logger, ck.rank, "Trainer save", result, step_destination(ck, step), time.perf_counter() - started)
         return result
 
     def _flash_files(self, step: int, persist: bool) -> dict[str, Any]:
@@ -381,16 +386,12 @@ class FlashCkptTrainer(Trainer):
         """
         bars = transformers.utils.logging.is_progress_bar_enabled()
         transformers.utils.logging.disable_progress_bar()
-        scratch_only = _DropMessagesNaming(directory)
-        loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+        loggers = [name for name in list(logging.Logger.manager.loggerDict)
                    if name == "transformers" or name.startswith("transformers.")]
-        for each in loggers:
-            each.addFilter(scratch_only)
         try:
-            self._save(directory, state_dict={})
+            with quiet_about(directory, loggers):
+                self._save(directory, state_dict={})
         finally:
-            for each in loggers:
-                each.removeFilter(scratch_only)
             if bars:
                 transformers.utils.logging.enable_progress_bar()
 
@@ -648,20 +649,6 @@ def _checkpoint_step(path: str) -> int | None:
     """The step in a ``checkpoint-<N>`` path, or None."""
     tail = os.path.basename(os.path.normpath(path)).rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else None
-
-
-class _DropMessagesNaming(logging.Filter):
-    """Drops log records whose message names ``path`` (a scratch folder users never see)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            return self.path not in record.getMessage()
-        except Exception:
-            return True
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -245,8 +245,8 @@ class MegatronFlash:
             result = original(*args, **kwargs)
             iteration = result[0] if isinstance(result, tuple) else result
             self.last_load = (int(iteration), "storage") if iteration else None
-            if iteration:  # Megatron's own loader read it: this attempt continues that commit's lineage
-                declare_resume(ck, int(iteration))
+            if iteration and margs.save and os.path.abspath(margs.save) == os.path.abspath(load_dir):
+                declare_resume(ck, int(iteration))  # Megatron's own loader read it: saves continue its lineage
             return result
         with self._serving(ck, step, load_dir):
             result = original(*args, **kwargs)

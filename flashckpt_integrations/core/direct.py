@@ -65,7 +65,7 @@ def fallback(
     durable: Future = Future()
     durable.set_result({"ok": True})
     return SaveResult(step, SaveStatus.PERSISTING, f"written straight to storage: {error}", _durable=durable,
-                      _poll_commit=ck._poll_commit)
+                      _poll_commit=ck._commit_poller(request.get("sid", "")))
 
 
 def _persist(storage: Storage, layout: Layout, plan: SnapshotPlan, request: dict[str, Any]) -> None:

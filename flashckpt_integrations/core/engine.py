@@ -102,6 +102,7 @@ class Checkpointer:
         self._closed = False
         self._view: lineage.View | None = None
         self._decided = False
+        self._unpublished: dict[str, Any] | None = None  # a resumed attempt's record, written at its first save
         self._saves_of: dict[int, int] = {}
         self._seq = self._newest_seq() + 1
         self._record_slot_paths()
@@ -173,6 +174,8 @@ class Checkpointer:
         overlap = self.config.async_snapshot if async_snapshot is None else async_snapshot
         if not self._decided:  # neither load() nor start_attempt(): this attempt starts from scratch
             self.start_attempt(None)
+        if self._unpublished is not None:  # rank 0: the first save of a resumed attempt records it
+            self._publish_attempt()
         with self._lock:
             self.wait_for_snapshot()
             plan = plan_snapshot(specs)
@@ -280,7 +283,10 @@ class Checkpointer:
     def _begin(self, parent: Mapping[str, Any] | None, fork_step: int | None) -> None:
         """Record this attempt's lineage (rank 0) and share its view with every rank."""
         if self._world_agrees():
-            view = lineage.begin(self.storage, parent, fork_step) if self.rank == 0 else None
+            view = None
+            if self.rank == 0:
+                view, record = lineage.begin(self.storage, parent, fork_step)
+                self._unpublished = record if parent is not None else None
             view_dict = collectives.all_gather_object(view.to_dict() if view is not None else None,
                                                       self.world_size, self.process_group)[0]
             view = lineage.View.from_dict(view_dict)
@@ -290,6 +296,14 @@ class Checkpointer:
         self._view, self._decided = view, True
         logger.debug("[RANK %d] attempt lineage %s (resumed %s at %s)", self.rank, view.lineage,
                      parent and parent.get("lineage"), fork_step)
+
+    def _publish_attempt(self) -> None:
+        record, self._unpublished = self._unpublished, None
+        published = lineage.publish(self.storage, record)
+        if published["lineage"] != record["lineage"]:
+            logger.error("[RANK %d] another job started attempt %d in %s at the same time; this job's snapshots "
+                         "are stamped with it too and may not load after a restart. Give each job its own "
+                         "checkpoint directory", self.rank, record["lineage"], self.url)
 
     def _world_agrees(self) -> bool:
         """Whether the ranks can agree through a collective (a process group, or one rank)."""

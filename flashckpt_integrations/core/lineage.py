@@ -19,7 +19,8 @@ Call order, from the checkpointer:
 1. :func:`provisional_view` (any rank, no writes): before the attempt has decided, what the
    newest lineage accepts; ``load()`` and the adapters' queries see that.
 2. :func:`begin` (rank 0, once per attempt, inside a collective): creates the identity if it is
-   missing, writes the attempt's record, returns its :class:`View`, which rank 0 shares.
+   missing, numbers the attempt, returns its :class:`View`, which rank 0 shares. A fresh start
+   is recorded at once; a resume is recorded by :func:`publish` at the attempt's first save.
 3. ``View.accepts(tag, step)`` filters snapshots and commits; ``View.tag()`` is stamped on
    every new snapshot and carried by its persist request into the commit record.
 4. :func:`order_key` orders commits across lineages (retention, the tracker): every step of a
@@ -145,10 +146,13 @@ def view_of(storage: Storage, tag: Mapping[str, Any] | None) -> View:
     return View(tag.get("dir"), number, caps)
 
 
-def begin(storage: Storage, parent: Mapping[str, Any] | None, fork_step: int | None) -> View:
-    """Record a new attempt (rank 0): resumed from ``parent``'s tag at ``fork_step``, or from scratch.
+def begin(storage: Storage, parent: Mapping[str, Any] | None, fork_step: int | None) -> tuple[View, dict[str, Any]]:
+    """Open a new attempt (rank 0): resumed from ``parent``'s tag at ``fork_step``, or from scratch.
 
-    The record's number is one above the newest; two jobs racing for it each get their own.
+    Returns its view and its record. A fresh start is recorded at once (from now on, what came
+    before is abandoned, even if this attempt never saves); a resume only reserves the next
+    number, and :func:`publish` records it with the attempt's first save: an attempt that
+    resumes and never saves (a crash right away, a script that only inspects) changes nothing.
     """
     dir_id = ensure_identity(storage)
     parent_lineage = None
@@ -161,12 +165,21 @@ def begin(storage: Storage, parent: Mapping[str, Any] | None, fork_step: int | N
         "dir": dir_id, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
     }
     records = read_records(storage)
-    number = max(records, default=LEGACY) + 1
+    record["lineage"] = max(records, default=LEGACY) + 1
+    if parent_lineage is None:
+        record = publish(storage, record)
+    records[record["lineage"]] = record
+    return View(dir_id, record["lineage"], _chain(records, record["lineage"])), record
+
+
+def publish(storage: Storage, record: dict[str, Any]) -> dict[str, Any]:
+    """Write an attempt's record under its number; a number another attempt took meanwhile moves up
+    (the returned record says which it got)."""
+    number = int(record["lineage"])
     while not create_exclusive(storage, f"{LINEAGE_DIR}/{number:08d}.json",
                                json.dumps({**record, "lineage": number}, indent=1).encode()):
         number += 1
-    records[number] = record
-    return View(dir_id, number, _chain(records, number))
+    return {**record, "lineage": number}
 
 
 def order_key(record: Mapping[str, Any] | None, step: int) -> tuple[int, int]:

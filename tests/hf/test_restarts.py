@@ -68,9 +68,9 @@ def test_the_same_command_again_trains_from_scratch_and_every_save_supersedes(tm
     for step, expected in weights.items():  # the folders hold the new run's weights (those of an uninterrupted run)
         assert_bitwise_equal(load_file(out / f"checkpoint-{step}" / "model.safetensors"), expected)
     # The log says where each checkpoint lands and how long training was held, once per save.
-    held = [line for line in log.splitlines() if "flashckpt: checkpoint of step" in line]
-    assert len([line for line in held if "persisting" in line]) == 4, held
-    assert f"-> {out}/checkpoint-10 (training held" in log
+    held = [line for line in log.splitlines() if "flashckpt: Trainer save of step" in line]
+    assert len([line for line in held if "persisting to" in line]) == 4, held
+    assert f"persisting to {out}/checkpoint-10 (training held" in log
     assert "/tmp/flashckpt-files" not in log
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):  # valid zips, as torch.save writes them
         with zipfile.ZipFile(out / "checkpoint-20" / name) as archive:

@@ -94,10 +94,11 @@ def test_lineage_a_fresh_b_then_c_resumes_b_never_a(tmp_path):
     # A's commits are still on storage (nobody asked to delete them), but not in D's lineage; the
     # tracker names D's newest commit, not A's higher step.
     assert (tmp_path / "ckpt" / "latest").read_text() == "14\n"
+    # A and B (fresh starts) were recorded when they began; C resumed and saved nothing, so it left no
+    # record; D, which saved, continues B (the lineage that wrote step 12).
     records = sorted(os.listdir(tmp_path / "ckpt" / ".flashckpt" / "lineages"))
-    assert len(records) == 4, records
     parents = [json.loads((tmp_path / "ckpt" / ".flashckpt" / "lineages" / r).read_text())["parent"] for r in records]
-    assert parents == [None, None, 2, 2]  # C and D both continue B (the lineage that wrote step 12)
+    assert parents == [None, None, 2], records
 
 
 def test_a_deleted_directory_invalidates_its_snapshots(tmp_path):
