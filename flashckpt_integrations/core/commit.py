@@ -168,7 +168,7 @@ def _switch(storage: Storage, layout: Layout, request: dict[str, Any], markers: 
                              "step's save moves them): %s", step, base, exc)
                 return
         if sid:
-            storage.remove(f"{META_DIR}/staging/{sid}")  # the save's own staging folder, empty now
+            storage.remove(layout.staging_root(step, sid))  # this save's own staging folder, empty now
     _write_tracker(storage, layout, request, step)
     write_json(storage, f"{layout.marker_dir(step)}/{COMMITTED}", {**record, "files_dir": final})
     _remove_replaced(storage, layout, step, sid, trash)

@@ -13,7 +13,7 @@ For step ``N`` with ``step_dir="step-{step}"``::
 
 A save id (``sid``) names one save of a step by one attempt (its lineage, see :mod:`.lineage`),
 so two attempts that save the same step never share a marker or a file. With ``staging`` the
-ranks write under ``.flashckpt/staging/<sid>/step-N/`` and the committer renames that directory
+ranks write under ``.flashckpt/staging/N.<sid>/step-N/`` and the committer renames that directory
 to ``step-N`` when it commits, so a reader that finds checkpoints by directory name (as HF's
 ``get_last_checkpoint`` does) never sees a partial one. A save of a step that is committed
 already is always staged: the old files stay the ones that load until the new commit record
@@ -68,8 +68,14 @@ class Layout:
         stay intact until the new commit) or the step's own directory.
         """
         if self.staging or supersede:
-            return f"{META_DIR}/staging/{sid + '/' if sid else ''}{self.step_path(step)}"
+            root = self.staging_root(step, sid)
+            return f"{root}/{self.step_path(step)}" if sid else f"{META_DIR}/staging/{self.step_path(step)}"
         return self.step_path(step)
+
+    @staticmethod
+    def staging_root(step: int, sid: str) -> str:
+        """The folder that holds save ``sid`` of ``step`` while it is staged (its alone: removed at commit)."""
+        return f"{META_DIR}/staging/{step}.{sid}"
 
     @staticmethod
     def marker_dir(step: int) -> str:

@@ -34,7 +34,7 @@ import torch
 from flashckpt_integrations._utils.faults import POINTS
 from flashckpt_integrations.core.client import job_key
 from flashckpt_integrations.core.codecs import read_file
-from flashckpt_integrations.core.layout import Layout, committed_steps, read_json
+from flashckpt_integrations.core.layout import Layout, commit_record, committed_steps, read_json
 from flashckpt_integrations.core.state import Codec
 from flashckpt_integrations.core.storage import LocalStorage
 from tests.faults.job import KEEP_LAST, JobConfig
@@ -279,7 +279,8 @@ def check(ckpt: str, cfg: JobConfig, reference: dict[int, dict], out: str) -> li
     for step in committed:
         for rank in range(cfg.world_size):
             try:
-                entry = read_json(storage, layout.rank_marker(step, rank))["files"][0]
+                sid = commit_record(storage, step)["sid"]
+                entry = read_json(storage, layout.rank_marker(step, rank, sid=sid))["files"][0]
                 loaded = read_file(storage, f"{layout.step_path(step)}/{entry['path']}", Codec.TORCH, expected=entry)
                 native = torch.load(os.path.join(ckpt, layout.step_path(step), f"rank-{rank}.pt"), weights_only=True)
                 assert_same(loaded, {**reference[step], "rank": rank}, f"step {step} rank {rank}")
