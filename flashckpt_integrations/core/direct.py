@@ -134,7 +134,18 @@ class _Committer:
         Saver.commit(self, request, local_error)  # type: ignore[arg-type]
 
     def purge(self, *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the checkpointer is closing: the next commit purges
+            self._executor.submit(self._purge_logged, *args)
+
+    def _purge_logged(self, *args: Any) -> None:
         from .saver import Saver
 
-        with contextlib.suppress(RuntimeError):  # the checkpointer is closing: the next commit purges
-            self._executor.submit(Saver.purge, self, *args)
+        try:
+            Saver.purge(self, *args)  # type: ignore[arg-type]
+        except Exception as exc:  # retention is best effort: the next commit tries again
+            logger.error("retention after a commit straight to storage failed: %s", exc)
+
+    def _finish_deletions(self, *args: Any) -> None:
+        from .saver import Saver
+
+        Saver._finish_deletions(self, *args)  # type: ignore[arg-type]

@@ -8,7 +8,6 @@ import os
 
 import pytest
 
-from flashckpt_integrations._utils.faults import POINTS
 from tests.faults import harness
 from tests.faults.job import JobConfig, reference
 
@@ -16,7 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 CFG = JobConfig()
 SEEDS = [10, 11, 12, 13, 14, 17]
-"""One case per seed; a seed's point is ``POINTS[seed % 5]``: every point once, ``saver.write`` twice."""
+"""One case per seed; a seed's point is ``CAMPAIGN_POINTS[seed % 5]``: every point once, ``saver.write`` twice."""
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +36,7 @@ def test_uninterrupted_job_equals_the_reference(tmp_path, ref, run_base):
 
 def test_random_kills_at_every_fault_point(tmp_path, ref):
     cases = [harness.draw(seed, CFG) for seed in SEEDS]
-    assert {c.point for c in cases} == set(POINTS)
+    assert {c.point for c in cases} == set(harness.CAMPAIGN_POINTS)
     outcomes = []
     for case in cases:
         workdir = tmp_path / f"seed-{case.seed}"
