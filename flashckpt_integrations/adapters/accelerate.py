@@ -139,6 +139,7 @@ class AccelerateCheckpointer:
         self.layout = Layout(step_dir=step_dir, tracker=None, staging=True)
         self.checkpointer = Checkpointer(self.root, self._make_config(config, project.total_limit))
         self.resumed_from: tuple[int, str] | None = None
+        self._attached: set[int] = set()
         """``(step, "memory" | "storage")`` of the last ``load_state``, or None."""
 
     def _make_config(self, given: Any, total_limit: int | None) -> CheckpointerConfig:
@@ -172,6 +173,7 @@ class AccelerateCheckpointer:
                 raise ValueError("save_state() needs the step when automatic_checkpoint_naming is off: "
                                  "save_state(step)")
             step = project.iteration
+        self._attach_optimizers()
         files = self._files(step, safe_serialization)
         result = self.checkpointer.save(step, files=files, persist=persist)
         if result.status is SaveStatus.FAILED:
@@ -181,6 +183,17 @@ class AccelerateCheckpointer:
         log_save(logger, self.checkpointer.rank, "accelerate save_state", result, self.checkpoint_path(step),
                  time.perf_counter() - started)
         return result
+
+    def _attach_optimizers(self) -> None:
+        """With ``async_snapshot``, make each prepared optimizer's step wait for the overlapped copy
+        (the torch optimizer inside accelerate's wrapper; once each, also those prepared later)."""
+        if not self.checkpointer.config.async_snapshot:
+            return
+        for optimizer in self.accelerator._optimizers:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if isinstance(inner, torch.optim.Optimizer) and id(inner) not in self._attached:
+                self._attached.add(id(inner))
+                self.checkpointer.attach_optimizer(inner)
 
     def _files(self, step: int, safe_serialization: bool) -> dict[str, Any]:
         acc = self.accelerator

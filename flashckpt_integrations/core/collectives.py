@@ -58,4 +58,9 @@ def _collective_device(group: Any) -> torch.device:
     backend = dist.get_backend(group)
     if backend == "gloo" or not torch.accelerator.is_available():
         return torch.device("cpu")
-    return torch.accelerator.current_accelerator()
+    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+    if bound is not None:  # init_process_group(device_id=...)
+        return bound
+    # with an index: a bare "cuda" is whatever device this thread has current, GPU 0 if never set
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +31,8 @@ from typing import Any
 import torch
 
 from .. import knobs
-from .._utils.devices import on_device, record_device_events, synchronize_devices, wait_device_events
+from .._utils import devices
+from .._utils.devices import on_device
 from .._utils.faults import after_region, fault_point
 from .._utils.locks import lock_held
 from ..config import BusyPolicy, CheckpointerConfig
@@ -95,6 +98,8 @@ class Checkpointer:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-prefault")
         self._snapshot: Future | None = None
+        self._snapshot_copy: devices.DeviceCopy | None = None
+        self._warned_unwaited = False
         self._pending: list[SaveResult] = []
         self._newest_persist: SaveResult | None = None
         self._hooks: list[Any] = []
@@ -116,8 +121,21 @@ class Checkpointer:
     # --- public API ------------------------------------------------------------------------
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer.step()`` wait for an overlapped snapshot still being copied."""
-        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_for_snapshot()))
+        """Make ``optimizer.step()`` wait for an overlapped snapshot still being copied.
+
+        For a snapshot of accelerator tensors only, the step's stream waits on the copy's done
+        event (no host wait); otherwise the step waits on the host (:meth:`wait_for_snapshot`).
+        """
+        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()))
+
+    def _before_optimizer_step(self) -> None:
+        snapshot, copy = self._snapshot, self._snapshot_copy
+        if snapshot is None or snapshot.done() or copy is None:
+            self.wait_for_snapshot()
+            return
+        copy.issued.wait()
+        if not devices.wait_on_current_streams(copy):
+            self.wait_for_snapshot()
 
     def prepare(
         self,
@@ -132,16 +150,21 @@ class Checkpointer:
         With ``background`` the slots are made on a helper thread and this returns at once; a
         save that comes first waits for the slot it writes into (and never for more).
         """
-        device = False
+        device: int | None = None
         if nbytes is None:
             plan = plan_snapshot(normalize_files(self._files(state, files)))
+            devices.check_plan(plan)
             nbytes = plan.layout(HEADER_SIZE) + 64 * 1024 + 256 * len(plan.regions)
-            device = on_device(plan)
-        for index in range(2):
-            if background:
+            device = devices.device_index(plan)
+        if background:
+            for index in range(2):
                 self._background.submit(self._prepare_slot, index, nbytes, device)
-            elif self._persisting[index] is None or self._persisting[index].done():
-                self._ensure_slot(index, nbytes, pin=device)
+            return
+        with self._lock:  # never remap a slot under an overlapped copy (or a save) into it
+            self.wait_for_snapshot()
+            for index in range(2):
+                if self._persisting[index] is None or self._persisting[index].done():
+                    self._ensure_slot(index, nbytes, pin=device, wait_pin=True)
 
     def save(
         self,
@@ -179,6 +202,9 @@ class Checkpointer:
         with self._lock:
             self.wait_for_snapshot()
             plan = plan_snapshot(specs)
+            devices.check_plan(plan)  # before any slot is touched
+            if overlap:
+                self._warn_if_unwaited()
             end = plan.layout(HEADER_SIZE)
             view = self._lineage_view()
             meta = {
@@ -196,13 +222,13 @@ class Checkpointer:
                 meta["persist"] = self._persist_request(step, seq, self.slot_paths[index], sid)
             raw_meta = json.dumps(meta, separators=(",", ":")).encode()
             try:
-                slot = self._ensure_slot(index, end + len(raw_meta), pin=on_device(plan))
+                slot = self._ensure_slot(index, end + len(raw_meta), pin=devices.device_index(plan))
             except SharedMemoryError as exc:
                 return direct.fallback(self, step, plan, meta, persist, exc)
             self._seq += 1
             if self._slots[1 - index] is None:  # the other slot is created off the training path, sized
                 # for this state as this one was (its headroom is added once, by the slot, not twice)
-                self._background.submit(self._prepare_slot, 1 - index, end + len(raw_meta), on_device(plan))
+                self._background.submit(self._prepare_slot, 1 - index, end + len(raw_meta), devices.device_index(plan))
             slot.begin_write(step, seq)
             if persist:
                 slot.mark_persist_requested(seq)
@@ -212,22 +238,54 @@ class Checkpointer:
             status = SaveStatus.PERSISTING if persist else SaveStatus.IN_MEMORY
             result = SaveResult(step, status, _durable=durable, _poll_commit=self._commit_poller(sid))
             args = (index, slot, plan, step, seq, sid, end, raw_meta, durable)
-            events = record_device_events(plan)
+            copy = devices.begin_copy(plan)  # side streams ordered after the work queued so far
             if overlap:
-                self._snapshot = self._copier.submit(self._complete, *args, events)
+                self._snapshot_copy = copy
+                self._snapshot = self._copier.submit(self._complete_overlapped, result, *args, copy)
                 result._snapshot = self._snapshot
             else:
-                error = self._complete(*args, events)
+                error = self._complete(*args, copy)
                 if error is not None:
                     result.status, result.reason = SaveStatus.FAILED, error
         return result
 
-    def wait_for_snapshot(self) -> None:
-        """Block until an overlapped snapshot copy has finished."""
+    def _complete_overlapped(self, result: SaveResult, *args: Any) -> str | None:
+        """The copy of an overlapped save; a failure turns its result FAILED (with the reason)."""
+        error = self._complete(*args)
+        if error is not None:
+            result.status, result.reason = SaveStatus.FAILED, error
+        return error
+
+    def _warn_if_unwaited(self) -> None:
+        if self._hooks or self._warned_unwaited:
+            return
+        self._warned_unwaited = True
+        warnings.warn(
+            "flashckpt: an overlapped save (async_snapshot) with no optimizer attached: nothing waits for the "
+            "copy before the state changes, so the snapshot may hold values of a later step (on a GPU it "
+            "will). Pass optimizers=[...] to the Checkpointer or call attach_optimizer(), or call "
+            "wait_for_snapshot() before changing the state. (Warned once per Checkpointer.)",
+            UserWarning, stacklevel=4)
+
+    def wait_for_snapshot(self) -> str | None:
+        """Block until an overlapped snapshot copy has finished.
+
+        Returns ``None`` when it succeeded (or there was none), else the reason it failed. A
+        failed overlapped copy never raises here (the optimizer's pre-hook calls this: a failed
+        checkpoint does not stop training); it is reported instead: its :class:`SaveResult`
+        turns ``FAILED`` (``ok`` false, ``reason`` set) once the copy failed, its ``wait()``
+        returns ``committed=False`` with the reason, the error is logged, and the slot is
+        invalidated, so ``load()`` uses the previous snapshot or commit. Until the copy is done
+        an overlapped save's ``status`` is provisional: read it after ``wait()`` or this.
+        """
         snapshot = self._snapshot
-        if snapshot is not None:
-            snapshot.result()
+        if snapshot is None:
+            return None
+        error = snapshot.result()
+        if self._snapshot is snapshot:
             self._snapshot = None
+            self._snapshot_copy = None
+        return error
 
     def wait(self, timeout: float | None = None) -> PersistResult | None:
         """Wait for every persisting save of this rank to be committed (or to fail).
@@ -359,11 +417,19 @@ class Checkpointer:
         if step is None:
             return None
         started = time.perf_counter()
+        locations: dict[int, str] | None = None
         if chosen_memory is not None:
             slot, meta = memory[step]
+            keep = map_location
+            if target is not None and map_location is None:  # restore straight from the slot (item 9)
+                locations = {}
+                keep = functools.partial(_keep_on_host, locations)
+                cuda = devices.cuda_index_of(target)
+                if cuda is not None and self.config.pin_memory and slot.needs_pin:
+                    slot.pin(cuda)  # a slot re-attached after a restart is not page-locked yet
             files = {
                 f["path"]: decode_from_slot(slot, meta["regions"], f, weights_only=weights_only,
-                                            map_location=map_location, copy=target is None)
+                                            map_location=keep, copy=target is None)
                 for f in meta["files"]
             }
             source = "memory"
@@ -371,7 +437,8 @@ class Checkpointer:
             files = self._load_from_storage(step, weights_only, map_location)
             source = "storage"
         if target is not None:
-            files = copy_into_target(files, self._files(target, None) if not is_files(target) else target)
+            files = copy_into_target(files, self._files(target, None) if not is_files(target) else target,
+                                     locations)
         logger.info("[RANK %d] loaded step %d from %s in %.3fs", self.rank, step, source,
                     time.perf_counter() - started)
         return LoadResult(step, source, files)
@@ -431,25 +498,26 @@ class Checkpointer:
 
     def _complete(
         self, index: int, slot: Slot, plan: Any, step: int, seq: int, sid: str, meta_offset: int, raw_meta: bytes,
-        durable: Future | None, events: list[Any],
+        durable: Future | None, copy: devices.DeviceCopy | None,
     ) -> str | None:
         """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None.
 
         With ``stream_persist``, a host-memory snapshot that is to be persisted is handed to the
         saver before the copy starts: the saver streams each region as soon as it is in place.
         """
-        stream = self.config.stream_persist and durable is not None and not events and not on_device(plan)
+        stream = self.config.stream_persist and durable is not None and not on_device(plan)
         try:
             slot.write_metadata(step, seq, meta_offset, raw_meta)
             if stream:
                 self._persisting[index] = durable
                 self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
-            wait_device_events(events)
-            copy_regions(plan, slot.buffer, after_region(slot.publish_copied if stream else None))
-            synchronize_devices(plan)
+            with devices.on_side_streams(copy):  # device copies go to each device's side stream
+                copy_regions(plan, slot.buffer, after_region(slot.publish_copied if stream else None))
+            devices.finish_copy(copy)  # sleeps on the done events (no spinning, no device-wide sync)
             slot.seal()
             fault_point("trainer.sealed")  # sealed, the saver not yet asked
         except Exception as exc:
+            devices.drain(copy)  # copies already issued land before the slot can be reused
             slot.invalidate()  # a streaming persist sees this and fails, never publishing the step
             error = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"
             logger.error("[RANK %d] %s", self.rank, error)
@@ -603,17 +671,21 @@ class Checkpointer:
             slot = self._slots[index] = Slot.attach(self.slot_paths[index])
         return slot
 
-    def _prepare_slot(self, index: int, nbytes: int, pin: bool) -> None:
+    def _prepare_slot(self, index: int, nbytes: int, pin: int | None) -> None:
         """Create and pre-fault slot ``index`` in the background, unless a save got there first."""
         with self._lock:
             if self._closed or self._slots[index] is not None or self._busy(index):
                 return
+            self.wait_for_snapshot()
             try:
                 self._ensure_slot(index, nbytes, pin=pin)
             except SharedMemoryError as exc:  # the save that needs it reports it
                 logger.warning("[RANK %d] could not prepare slot %d ahead of time: %s", self.rank, index, exc)
 
-    def _ensure_slot(self, index: int, nbytes: int, *, pin: bool) -> Slot:
+    def _ensure_slot(self, index: int, nbytes: int, *, pin: int | None, wait_pin: bool = False) -> Slot:
+        """Slot ``index``, at least ``nbytes`` large; with ``pin`` (a CUDA device index) it is page-locked
+        for that device: off the training path (the next saves copy into it pageable until then),
+        or here with ``wait_pin``. Call with the engine lock held and no overlapped copy running."""
         slot = self._slot(index)
         size_before = slot.size if slot is not None else 0
         if slot is None:
@@ -622,9 +694,23 @@ class Checkpointer:
             slot.ensure_size(nbytes)
         if slot.size != size_before:
             self._requester.submit(self._announce_slot, slot.path)
-        if pin and self.config.pin_memory:
-            slot.pin()
+        if pin is not None and self.config.pin_memory and slot.needs_pin:
+            if wait_pin:
+                slot.pin(pin)
+            elif not slot.pin_pending:
+                slot.pin_pending = True
+                self._background.submit(self._pin_slot, slot, pin)
         return slot
+
+    def _pin_slot(self, slot: Slot, device_index: int) -> None:
+        """Page-lock a slot off the training path, without the engine lock (a save may run meanwhile)."""
+        try:
+            if not self._closed:
+                slot.pin(device_index)
+        except Exception as exc:  # never fail a save for it: copies into pageable memory are only slower
+            logger.warning("[RANK %d] could not page-lock %s: %s", self.rank, slot.path, exc)
+        finally:
+            slot.pin_pending = False
 
     def _newest_index(self) -> int | None:
         best, best_seq = None, -1
@@ -757,6 +843,12 @@ class _AtExit:
         except Exception as exc:
             logger.error("[RANK %d] in-flight checkpoints did not finish at exit: %s", checkpointer.rank, exc)
         checkpointer._shutdown(clean=False)
+
+
+def _keep_on_host(locations: dict[int, str], storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+    """A ``map_location`` that leaves a storage where it is (a view of the slot) and notes where it was saved."""
+    locations[storage.data_ptr()] = location
+    return storage
 
 
 def _persist_outstanding(slot: Slot) -> bool:

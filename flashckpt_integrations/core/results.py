@@ -47,7 +47,11 @@ class SaveResult:
         return self.status in (SaveStatus.IN_MEMORY, SaveStatus.PERSISTING)
 
     def wait(self, timeout: float | None = None) -> PersistResult:
-        """Wait until the snapshot is in memory and, when persisting, committed or failed."""
+        """Wait until the snapshot is in memory and, when persisting, committed or failed.
+
+        An overlapped save whose copy fails turns ``FAILED`` (with the reason) once it failed;
+        this then returns ``committed=False`` with that reason.
+        """
         if self._outcome is not None:
             return self._outcome
         if not self.ok:
@@ -55,6 +59,8 @@ class SaveResult:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._snapshot is not None:
             self._snapshot.result(timeout)
+            if not self.ok:  # the overlapped copy failed: ``status``/``reason`` say so now
+                return PersistResult(self.step, False, self.reason)
         if self._durable is None:
             return PersistResult(self.step, False, None)
         answer = self._durable.result(_remaining(deadline))

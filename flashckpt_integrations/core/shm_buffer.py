@@ -38,6 +38,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum
@@ -96,6 +97,13 @@ class Slot:
         self._mm: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
         self._pinned = False
+        self._pin_lock = threading.Lock()
+        self._pin_chunks: list[int] = []
+        """Start addresses of the registered chunks of the current mapping (contiguous from its start)."""
+        self._pinned_bytes = 0
+        self._pin_device: int | None = None
+        self.pin_pending = False
+        """Set by the engine while a registration of this slot is queued off the training path."""
         self._map(populate)
 
     # --- creation and attachment -----------------------------------------------------------
@@ -146,14 +154,12 @@ class Slot:
         """Grow the slot to hold ``min_size`` bytes; existing bytes are kept."""
         if min_size <= self.size:
             return
-        was_pinned = self._pinned
         self._unmap()
         try:
             self.size = _grow(self.path, self._fd, self.size, min_size)
         finally:  # grown, or not (too little shared memory): the slot stays usable at its size
             self._map(populate=True)
-        if was_pinned:
-            self.pin()
+        # (the new mapping is registered again by the engine, off the training path: see pin())
 
     def _unmap(self) -> None:
         self.unpin()
@@ -193,20 +199,59 @@ class Slot:
 
     # --- page-locking for device-to-host copies --------------------------------------------
 
-    def pin(self) -> bool:
-        """Page-lock the mapping for the current accelerator, so device copies run async."""
-        if self._pinned or not torch.cuda.is_available():
-            return self._pinned
-        ptr = self._tensor.data_ptr()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
-        self._pinned = int(err) == 0
-        if not self._pinned:
-            logger.warning("cudaHostRegister of %s failed (%s); device copies will be synchronous", self.path, err)
-        return self._pinned
+    @property
+    def needs_pin(self) -> bool:
+        """Part of the mapping is not page-locked yet, and registering can still succeed."""
+        from .._utils.devices import pin_failure
+
+        return self._pinned_bytes < self.size and pin_failure() is None and torch.cuda.is_available()
+
+    def pin(self, device_index: int | None = None) -> bool:
+        """Page-lock the mapping for CUDA device ``device_index``, so device copies into it run
+        asynchronously at full bandwidth.
+
+        Registers with ``cudaHostRegisterPortable`` (as torch does), under ``torch.cuda.device(index)``
+        (the calling thread's current device would otherwise get a CUDA context), one chunk of
+        ``PIN_CHUNK`` at a time and only what is not registered yet; a remap between chunks
+        stops it. A failed registration clears CUDA's last error and is remembered for the
+        process: later calls return ``False`` at once, and it is logged once. Call it off the
+        training path (the engine does); copies into a slot not (yet) page-locked are correct,
+        only slower.
+        """
+        from .._utils import devices
+
+        if not torch.cuda.is_available():
+            return False
+        while True:
+            with self._pin_lock:
+                if self._tensor is None:
+                    return False
+                if self._pinned_bytes >= self.size:
+                    self._pinned = True
+                    return True
+                if devices.pin_failure() is not None:
+                    return False
+                start = self._tensor.data_ptr() + self._pinned_bytes
+                nbytes = min(devices.PIN_CHUNK, self.size - self._pinned_bytes)
+                error = devices.host_register(start, nbytes, device_index)
+                if error is not None:
+                    logger.warning("page-locking shared-memory slot %s failed: %s; device copies into it (and "
+                                   "restores from it) run at pageable-memory speed. Not retried in this process.",
+                                   self.path, error)
+                    return False
+                self._pin_chunks.append(start)
+                self._pinned_bytes += nbytes
+                self._pin_device = device_index
 
     def unpin(self) -> None:
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
+        with self._pin_lock:
+            if self._pin_chunks:
+                from .._utils.devices import host_unregister
+
+                for start in self._pin_chunks:
+                    host_unregister(start, self._pin_device)
+            self._pin_chunks = []
+            self._pinned_bytes = 0
             self._pinned = False
 
     # --- header ----------------------------------------------------------------------------

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from .._utils.devices import key_path, unsupported_device
+
 ALIGN = 64
 
 
@@ -225,6 +227,10 @@ def _pack_torch(path: str, spec: FileSpec, regions: list[Region], by_storage: di
             # Plain dense tensors: the same reduction as Tensor.__reduce_ex__, without building
             # a TypedStorage per tensor (half the cost of pickling a state dict).
             if type(obj) is not torch.Tensor or _legacy_storage_type(obj.dtype) is None or not _plain(obj):
+                if isinstance(obj, torch.Tensor) and unsupported_device(obj.device.type) is not None:
+                    where = key_path(spec.obj, obj) or "(inside an object)"
+                    raise ValueError(f"{path}: cannot snapshot the tensor at {where}: "
+                                     f"{unsupported_device(obj.device.type)}")
                 return NotImplemented
             ref = _StorageRef(obj.untyped_storage(), obj.dtype)
             args = (ref, obj.storage_offset(), tuple(obj.size()), obj.stride(), obj.requires_grad, OrderedDict())
@@ -302,6 +308,8 @@ def _pack_safetensors(path: str, spec: FileSpec, regions: list[Region], by_stora
             raise ValueError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
         if tensor.layout != torch.strided:
             raise ValueError(f"{path}: tensor {name!r} is {tensor.layout}; make it dense with .to_dense() first")
+        if unsupported_device(tensor.device.type) is not None:
+            raise ValueError(f"{path}: cannot snapshot tensor {name!r}: {unsupported_device(tensor.device.type)}")
         ident = (tensor.untyped_storage()._cdata, tensor.storage_offset())
         if tensor.numel() and ident in seen:
             raise ValueError(
@@ -390,8 +398,10 @@ def _pack_parts(path: str, spec: FileSpec, regions: list[Region], by_storage: di
         raise ValueError(f"{path}: the parts codec takes a list of bytes and tensors, got {type(spec.obj).__name__}")
     plan = FilePlan(path, Codec.PARTS, b"")
     blob = bytearray()
-    for part in spec.obj:
+    for number, part in enumerate(spec.obj):
         start = len(blob)
+        if isinstance(part, torch.Tensor) and unsupported_device(part.device.type) is not None:
+            raise ValueError(f"{path}: cannot snapshot part {number}: {unsupported_device(part.device.type)}")
         if isinstance(part, torch.Tensor):
             if part.layout is not torch.strided or part.is_quantized:
                 raise ValueError(f"{path}: a part must be a dense tensor, got {part.layout}; use .to_dense() first")

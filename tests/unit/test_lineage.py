@@ -195,9 +195,15 @@ def test_a_crash_in_the_middle_of_a_superseding_save_leaves_old_or_new_never_a_m
         assert ours == "new"
     # Whatever a restart's saver finishes, the directory holds one whole save, the same one we load.
     out = _run("""
-        import time
-        with Checkpointer(ckpt_dir) as ck:
-            time.sleep(3)  # the saver recovers what the killed attempt left
+        import json, time
+        record = os.path.join(ckpt_dir, ".flashckpt", "steps", "4", "COMMITTED")
+        with Checkpointer(ckpt_dir) as ck:  # its saver recovers what the killed attempt left
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                committed = json.load(open(record))
+                if committed["sid"] != "a1" and "final_dir" not in committed:
+                    break  # the new save is committed and in place
+                time.sleep(0.1)
     """, ckpt)
     assert out.returncode == 0, out.stderr
     stock = _which(_stock_digests(step_dir), "the step directory after recovery")

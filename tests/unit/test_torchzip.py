@@ -182,3 +182,43 @@ def test_parts_file_holds_torch_save_of_each_tensor(make_checkpointer, tmp_path)
         assert data[offset:offset + len(want)] == want
         offset += len(want)
     assert offset == len(data)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FLASHCKPT_TEST_ZIP64"), reason="set FLASHCKPT_TEST_ZIP64=1 (GiBs of CRC-32)")
+@pytest.mark.parametrize("sizes", [[0xFFFFFFFE], [0xFFFFFFFF, 100], [3 << 30, 2 << 30, 100]],
+                         ids=["u32-1", "u32", "offsets"])
+def test_zip64_records_equal_torch_writer(sizes):
+    """Records of 4 GiB and headers past 4 GiB (zero pages: nothing is allocated, large writes are summarized)."""
+    import mmap
+
+    zeros = mmap.mmap(-1, max(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+    class Sink:
+        def __init__(self):
+            self.stream, self.size = [b""], 0
+
+        def write(self, data):
+            view = memoryview(data).cast("B")
+            if view.nbytes < 1 << 20:
+                self.stream[-1] += bytes(view)
+            else:
+                self.stream += [(view.nbytes, zlib.crc32(view)), b""]
+            self.size += view.nbytes
+            return view.nbytes
+
+    records = [("data.pkl", b"\x80\x02K\x01."), ("byteorder", sys.byteorder.encode())]
+    records += [(f"data/{i}", n) for i, n in enumerate(sizes)]
+    theirs, ours = Sink(), Sink()
+    writer = torch._C.PyTorchFileWriter(theirs, True, 64)
+    for name, data in records:
+        if isinstance(data, int):
+            data = torch.frombuffer(zeros, dtype=torch.uint8, count=data).untyped_storage()
+        writer.write_record(name, data, len(data) if isinstance(data, bytes) else data.nbytes())
+    writer.write_end_of_file()
+    writer = TorchZipWriter(ours)
+    for name, data in records:
+        writer.write_record(name, memoryview(zeros)[:data] if isinstance(data, int) else data)
+    writer.finish()
+    assert ours.stream == theirs.stream
+    assert ours.size == writer.size == archive_size([(n, d if isinstance(d, int) else len(d)) for n, d in records])
