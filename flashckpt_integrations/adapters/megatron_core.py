@@ -33,7 +33,6 @@ import logging
 import os
 import re
 import time
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -99,12 +98,11 @@ class FlashTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         self._fields = {k: v for k, v in dict(config or {}).items() if k != "layout"}
         self._checkpointers: dict[tuple[str, str], Checkpointer] = {}
         if self._fields.get("async_snapshot"):
-            warnings.warn(
+            logger.warning(
                 "FlashTorchDistSaveStrategy with async_snapshot: the strategy has no optimizer, so nothing waits "
                 "for the overlapped copy before the next step changes the parameters; the snapshot may then hold "
                 "values of a later step. Attach the torch optimizers with "
-                "strategy.checkpointer(checkpoint_dir).attach_optimizer(...) or leave async_snapshot off.",
-                UserWarning, stacklevel=2)
+                "strategy.checkpointer(checkpoint_dir).attach_optimizer(...) or leave async_snapshot off.")
 
     def checkpointer(self, checkpoint_dir: str | os.PathLike) -> Checkpointer:
         """The checkpointer that saves ``checkpoint_dir`` (one per parent directory and name pattern)."""

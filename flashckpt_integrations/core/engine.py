@@ -21,7 +21,6 @@ import os
 import socket
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -260,12 +259,11 @@ class Checkpointer:
         if self._hooks or self._warned_unwaited:
             return
         self._warned_unwaited = True
-        warnings.warn(
-            "flashckpt: an overlapped save (async_snapshot) with no optimizer attached: nothing waits for the "
+        logger.warning(
+            "[RANK %d] an overlapped save (async_snapshot) with no optimizer attached: nothing waits for the "
             "copy before the state changes, so the snapshot may hold values of a later step (on a GPU it "
             "will). Pass optimizers=[...] to the Checkpointer or call attach_optimizer(), or call "
-            "wait_for_snapshot() before changing the state. (Warned once per Checkpointer.)",
-            UserWarning, stacklevel=4)
+            "wait_for_snapshot() before changing the state. (Said once per Checkpointer.)", self.rank)
 
     def wait_for_snapshot(self) -> str | None:
         """Block until an overlapped snapshot copy has finished.
