@@ -25,7 +25,11 @@ trainer.train(resume_from_checkpoint=True)             # newest of: memory snaps
   newest committed checkpoint through the stock code; with no checkpoint at all it starts from
   scratch (unlike the stock ``Trainer``, which raises), so one command serves first start and
   restarts. Data order and RNG continue exactly as with a
-  stock resume from a checkpoint of the same step. An explicit path resumes from that path (stock).
+  stock resume from a checkpoint of the same step. An explicit path resumes from that path (stock),
+  with a warning when memory holds a newer complete snapshot. The strings a command line gives
+  (``"True"``, ``"true"``, ``"latest"``) mean ``True``. ``None`` starts from scratch, as the stock
+  ``Trainer`` does, with a warning naming what an earlier run left; its saves of steps that run
+  committed replace them atomically (see :mod:`flashckpt_integrations.core.commit`).
 * At the end of ``train()`` in-flight persisting is awaited and the shared memory is freed. When
   training raises, the memory is kept for a restart (and in-flight persisting finishes at exit).
 
