@@ -185,10 +185,14 @@ def test_save_total_limit_keeps_the_two_newest_committed_checkpoints(tmp_path):
     trainer = make_trainer(FlashCkptTrainer, str(out), max_steps=10, save_steps=2, args={"save_total_limit": 2})
     trainer.train()
     deadline = time.monotonic() + 30  # retention runs right after the commit that train() waited for
-    while checkpoints(out) != [8, 10] and time.monotonic() < deadline:
-        time.sleep(0.05)
+
+    def markers():
+        return sorted(os.listdir(out / ".flashckpt" / "steps"))
+
+    while (checkpoints(out) != [8, 10] or markers() != ["10", "8"]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (a step's folder goes first, then its markers)
     assert checkpoints(out) == [8, 10]
-    assert sorted(os.listdir(out / ".flashckpt" / "steps")) == ["10", "8"]
+    assert markers() == ["10", "8"]
     for step in (8, 10):
         assert torch.load(out / f"checkpoint-{step}" / "optimizer.pt", weights_only=True)["state"]
 
