@@ -108,14 +108,15 @@ def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class SlowStorage(LocalStorage):
-    """Local storage whose writes sleep ``$FLASHCKPT_TEST_WRITE_DELAY`` seconds first."""
+    """Local storage whose data-file writes (staged ones too) sleep ``$FLASHCKPT_TEST_WRITE_DELAY``
+    seconds first; markers and records are written at once."""
 
     def __init__(self, root: str, **_: Any) -> None:
         super().__init__(root)
         self.delay = float(os.environ.get("FLASHCKPT_TEST_WRITE_DELAY", "1"))
 
     def open_write(self, path: str):  # type: ignore[override]
-        if not path.startswith(".flashckpt"):
+        if not path.startswith(".flashckpt") or path.startswith(".flashckpt/staging/"):
             time.sleep(self.delay)
         return super().open_write(path)
 
