@@ -165,3 +165,12 @@ def raising_fsspec_storage(url: str, **options: Any):
             return super()._open(path, mode=mode, **kwargs)
 
     return FsspecStorage(url, fs=RaisingFileSystem(), **options)
+
+
+def storage_refused_after_start(url: str, **options: Any) -> LocalStorage:
+    """Local storage that refuses to open once ``<root>/DENY`` exists (credentials that expired
+    after the trainer opened its storage, a service that went away)."""
+    root = url[len("file://"):] if url.startswith("file://") else url
+    if os.path.exists(os.path.join(root, "DENY")):
+        raise PermissionError(errno.EACCES, "the storage service refused the connection (injected)", url)
+    return LocalStorage(root)

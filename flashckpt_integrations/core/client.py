@@ -196,7 +196,10 @@ class SaverClient:
         """Start the node's saver; return its process (overrides may return None: not watched)."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        # The saver runs with cwd=/; the training script's folder goes along, so that a storage
+        # factory kept beside the script imports there as it does here.
+        script_dir = sys.path[0] if sys.path and sys.path[0] else os.getcwd()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH"), script_dir) if p)
         log = open(os.path.join(self.run_dir, LOG_NAME), "ab")  # noqa: SIM115 - handed to the child
         with log:
             proc = subprocess.Popen(

@@ -80,7 +80,8 @@ def commit(storage: Storage, request: dict[str, Any], local_error: str | None = 
 
     ``local_error`` is rank 0's own persist failure: the step cannot commit, and its failed
     marker may not have reached storage, so do not wait. Returns whether a commit was written
-    by this call; a failure writes the step's FAILED record (naming the save) and is logged.
+    by this call; a failure writes the step's FAILED record (naming the save) and is logged, and
+    raises when even that record cannot be written.
     """
     step, world_size, sid = int(request["step"]), int(request["world_size"]), request.get("sid", "")
     layout = Layout(**request["layout"])
@@ -104,8 +105,8 @@ def commit(storage: Storage, request: dict[str, Any], local_error: str | None = 
         logger.error("commit of step %d failed: %s", step, exc)
         try:
             write_json(storage, f"{marker_dir}/{FAILED}", {"step": step, "sid": sid, "reason": str(exc), "time": now()})
-        except Exception as record_exc:
-            logger.error("could not record the failed commit of step %d: %s", step, record_exc)
+        except Exception as record_exc:  # nobody can read the failure from storage: the caller reports it
+            raise RuntimeError(f"{exc} (and the failure could not be recorded on storage: {record_exc})") from exc
         return False
 
 

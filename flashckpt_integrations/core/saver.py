@@ -39,6 +39,7 @@ from typing import Any
 from .. import knobs
 from .._utils.faults import fault_point
 from .._utils.locks import same_file
+from ..errors import StorageError
 from . import commit as commit_protocol
 from . import lineage
 from .codecs import write_file
@@ -60,7 +61,7 @@ from .layout import (
 from .protocol import LOCK_NAME, LOG_NAME, SLOTS_FILE, SOCKET_NAME, SPAWN_LOCK_NAME
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
-from .storage import Storage, remove_stale_temporaries, storage_from_url
+from .storage import ENTRY_POINT_GROUP, Storage, remove_stale_temporaries, storage_from_url
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +304,13 @@ class Saver:
 
     def _commit_and_release(self, request: dict[str, Any], reply: dict[str, Any], conn: _Connection | None) -> None:
         try:
-            self.commit(request, reply["error"], answer=lambda: conn is not None and conn.send(reply))
+            def answer(error: str | None) -> None:
+                if error is not None and reply["ok"]:
+                    reply.update(ok=False, error=error)
+                if conn is not None:
+                    conn.send(reply)
+
+            self.commit(request, reply["error"], answer=answer)
         finally:
             with self.pending_lock:
                 self.pending -= 1
@@ -313,9 +320,12 @@ class Saver:
         key = json.dumps(spec, sort_keys=True)
         with self.storage_lock:
             if key not in self.storages:
-                self.storages[key] = storage_from_url(
-                    request["root"], request.get("storage_options"), request.get("storage_factory")
-                )
+                try:
+                    self.storages[key] = storage_from_url(
+                        request["root"], request.get("storage_options"), request.get("storage_factory")
+                    )
+                except Exception as exc:
+                    raise StorageError(_cannot_open(request, exc)) from exc
             return self.storages[key]
 
     def _slot(self, path: str) -> Slot:
@@ -344,15 +354,19 @@ class Saver:
         """
         rank, step, seq = int(request["rank"]), int(request["step"]), int(request["seq"])
         layout = Layout(**request["layout"])
-        storage = self._storage(request)
         started = time.monotonic()
         slot = self._slot(request["slot"])
         slot.lock()
         try:
-            if commit_protocol.already_persisted(storage, layout, request, recovered=bool(request.get("recovered"))):
-                slot.mark_persist_done(seq)
-                return
             try:
+                storage = self._storage(request)
+            except Exception:
+                slot.mark_persist_done(seq)  # reported to the rank; no later saver retries it
+                raise
+            try:
+                if commit_protocol.already_persisted(storage, layout, request,
+                                                     recovered=bool(request.get("recovered"))):
+                    return
                 _check_directory(storage, request)
                 base = commit_protocol.claim(storage, layout, request)
                 metadata = _checked_metadata(slot, step, seq, filling=True)
@@ -385,17 +399,23 @@ class Saver:
                     total / 2**20, elapsed)
 
     def commit(self, request: dict[str, Any], local_error: str | None = None,
-               answer: Callable[[], Any] = lambda: None) -> None:
+               answer: Callable[[str | None], Any] = lambda error: None) -> None:
         """Committer (the saver of global rank 0): commit once every rank's marker exists
         (:func:`.commit.commit`), answer, then apply retention.
 
-        ``answer()`` is called once the step is committed or failed, before retention.
+        ``answer(error)`` is called once the step is committed (``None``) or failed (the reason),
+        before retention; it is called whatever goes wrong, storage that cannot be opened included.
         """
-        storage = self._storage(request)
+        committed = False
         try:
+            storage = self._storage(request)
             committed = commit_protocol.commit(storage, request, local_error)
-        finally:
-            answer()
+        except Exception as exc:
+            error = f"step {request.get('step')} was not committed: {type(exc).__name__}: {exc}"
+            logger.error("%s", error)
+            answer(error)
+            return
+        answer(None)  # committed, or failed with its FAILED record on storage
         if committed:
             self.purge(storage, Layout(**request["layout"]), RetentionPolicy(**(request.get("retention") or {})))
 
@@ -448,6 +468,18 @@ class Saver:
                 logger.error("retention could not finish deleting step %d: %s", step, exc)
                 continue
             logger.warning("retention finished deleting step %d, which an interrupted pass had left on storage", step)
+
+
+def _cannot_open(request: dict[str, Any], exc: BaseException) -> str:
+    """Why the saver could not open a request's storage, and what to do about it."""
+    factory = request.get("storage_factory")
+    how = (f"storage_factory {factory!r} must be importable in the saver, which runs with cwd=/ and the "
+           "trainer's environment: put it in an installed package or on PYTHONPATH" if factory else
+           "a scheme registered with register_storage() exists only in the process that registered it; "
+           f"declare it through the {ENTRY_POINT_GROUP!r} entry point group, or pass "
+           "storage_factory='package.module:factory'")
+    return (f"the saver could not open the storage {request['root']!r}: {type(exc).__name__}: {exc}. "
+            f"The saver is a separate process: {how}")
 
 
 def _slot_request(path: str) -> tuple[dict[str, Any] | None, bool]:
