@@ -110,20 +110,27 @@ class Slot:
 
     @classmethod
     def create_or_open(cls, path: str, min_size: int) -> Slot:
-        """Open the slot at ``path``, creating it (0600, pre-faulted) or growing it as needed."""
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            raise SharedMemoryError(f"cannot create shared-memory slot {path}: {exc}") from exc
+        """Open the slot at ``path``, creating it (0600, pre-faulted) or growing it as needed.
+
+        When the slot cannot be sized or mapped (too little shared memory, a file size limit, no
+        address space), a file this call created is removed again: a failed creation leaves no
+        empty or partial slot behind.
+        """
+        fd, created = _open_or_create(path)
         try:
             _check_owner(path, fd)
             size = os.fstat(fd).st_size
             if size < min_size:
                 size = _grow(path, fd, size, min_size)
+            try:
+                return cls(path, fd, size, populate=True)
+            except OSError as exc:  # mmap: ENOMEM (address space, locked-memory limits)
+                raise SharedMemoryError(f"cannot map shared-memory slot {path} of {size} bytes: {exc}") from exc
         except BaseException:
+            if created:
+                _unlink_if_same(path, fd)
             os.close(fd)
             raise
-        return cls(path, fd, size, populate=True)
 
     @classmethod
     def attach(cls, path: str, *, populate: bool = False) -> Slot | None:
@@ -373,6 +380,35 @@ def _check_owner(path: str, fd: int) -> None:
         )
 
 
+def _open_or_create(path: str) -> tuple[int, bool]:
+    """Open ``path`` read-write, creating it with mode 0600; also say whether this call created it."""
+    flags = os.O_RDWR | os.O_NOFOLLOW
+    while True:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise SharedMemoryError(f"cannot create shared-memory slot {path}: {exc}") from exc
+        try:
+            return os.open(path, flags), False
+        except FileNotFoundError:  # removed in between: create it
+            continue
+        except OSError as exc:
+            raise SharedMemoryError(f"cannot open shared-memory slot {path}: {exc}") from exc
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    """Remove ``path`` if it still names the file open as ``fd``."""
+    with contextlib.suppress(OSError):
+        if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            os.unlink(path)
+
+
+_SIZE_REFUSED = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
+"""What a file system answers when it cannot give a file that many bytes."""
+
+
 def _grow(path: str, fd: int, size: int, min_size: int) -> int:
     new_size = max(int(min_size * GROWTH), HEADER_SIZE)
     new_size = (new_size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -386,11 +422,14 @@ def _grow(path: str, fd: int, size: int, min_size: int) -> int:
     try:
         os.posix_fallocate(fd, 0, new_size)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+        if exc.errno in _SIZE_REFUSED:  # EFBIG: RLIMIT_FSIZE (the process also gets SIGXFSZ, ignored by Python)
             os.ftruncate(fd, size)
             raise SharedMemoryError(
                 f"shared memory ran out while growing slot {path} to {new_size} bytes: {exc}"
             ) from exc
-        os.ftruncate(fd, new_size)
+        try:  # no fallocate on this file system: size it sparsely (the mapping faults pages in)
+            os.ftruncate(fd, new_size)
+        except OSError as exc2:
+            raise SharedMemoryError(f"cannot grow shared-memory slot {path} to {new_size} bytes: {exc2}") from exc2
     logger.debug("slot %s grown from %d to %d bytes", path, size, new_size)
     return new_size
