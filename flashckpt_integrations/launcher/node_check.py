@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -422,8 +423,12 @@ def run_node_check(
     slow_factor: float = DEFAULT_SLOW_FACTOR,
     check: str | None = None,
     repeats: int = 3,
+    report_path: str | None = None,
 ) -> NodeCheckReport:
     """Run the node check on this node's ranks with ``launch_config`` and return the report.
+
+    ``report_path`` keeps this node's JSON report there (the failed checks too); by default it
+    lives in a temporary directory only while the check runs.
 
     ``launch_config`` is the training job's ``torch.distributed.launcher.api.LaunchConfig``; the check
     runs with no restarts, under its own run id, and with rendezvous timeouts capped at ``timeout_s``
@@ -438,7 +443,11 @@ def run_node_check(
                          f"fails), got {slow_factor}.")
     config = _check_config(launch_config, timeout_s)
     with tempfile.TemporaryDirectory(prefix="flashckpt-node-check-") as tmp:
-        path = os.path.join(tmp, "report.json")
+        path = os.path.abspath(report_path) if report_path else os.path.join(tmp, "report.json")
+        if report_path:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # an old report must not pass for this check's
         args = ["-u", "-m", WORKER_MODULE, "--report", path, "--slow-factor", str(slow_factor),
                 "--timeout", str(timeout_s), "--repeats", str(repeats), *(["--check", check] if check else [])]
         launch_error: ChildFailedError | None = None

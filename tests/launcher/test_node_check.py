@@ -134,12 +134,14 @@ def test_two_ranks_pass_and_the_report_has_both(worker_env):
 
 
 @pytest.mark.distributed
-def test_run_node_check_names_the_slow_rank(worker_env):
+def test_run_node_check_names_the_slow_rank_and_keeps_its_report(worker_env, tmp_path):
     worker_env.setenv(knobs.NODE_CHECK_PLUGINS, PLUGINS)
     worker_env.setenv(SLOW_RANK, "1")
+    kept = tmp_path / "reports" / "node.json"
     with pytest.raises(NodeCheckError) as caught:
-        run_node_check(launch_config(), timeout_s=120)
+        run_node_check(launch_config(), timeout_s=120, report_path=str(kept))
     report = caught.value.report
+    assert NodeCheckReport.from_json(json.loads(kept.read_text())) == report  # kept after the check
     assert report.slow == (1,) and report.failed == ()
     assert {r.check for r in report.ranks} == {"test-faulty-cpu"}
     assert report.ranks[1].compute_s >= 0.3 > report.ranks[0].compute_s
