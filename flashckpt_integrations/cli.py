@@ -24,6 +24,7 @@ import time
 from typing import IO, Any
 
 from . import knobs
+from ._utils.help import HelpFormatter
 from .core.client import job_id_for, job_key, saver_running, user_run_root
 from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
 from .core.protocol import LOG_NAME
@@ -332,18 +333,6 @@ class _ProgressBar:
 # --- arguments ----------------------------------------------------------------------------------
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description and epilog as written; adds ``(default: ...)`` to options that have a
-    default and do not say it already (a default of None or False is described in the help)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (action.option_strings and "(default" not in text
-                and action.default not in (None, False, argparse.SUPPRESS)):
-            text += " (default: %(default)s)"
-        return text
-
-
 def package_version(dist: str = DIST_NAME) -> str:
     """The installed distribution's version, else the package's own ``__version__``."""
     from importlib.metadata import PackageNotFoundError, version
@@ -368,7 +357,7 @@ def _add_job_options(parser: argparse.ArgumentParser, default: Any) -> None:
 
 def _command(sub: Any, name: str, func: Any, help_text: str, description: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text, description=textwrap.fill(description, 88), epilog=_EPILOG,
-                            formatter_class=_HelpFormatter)
+                            formatter_class=HelpFormatter)
     parser.add_argument("dir", metavar="DIR", help="the job's checkpoint directory or storage URL (see below)")
     _add_job_options(parser, argparse.SUPPRESS)
     parser.set_defaults(func=func)
@@ -377,7 +366,7 @@ def _command(sub: Any, name: str, func: Any, help_text: str, description: str) -
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashckpt", description=_DESCRIPTION, epilog=_EPILOG,
-                                     formatter_class=_HelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
                         help="print the version and exit")
     _add_job_options(parser, None)

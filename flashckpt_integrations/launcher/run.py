@@ -50,6 +50,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from .. import knobs
+from .._utils.help import HelpFormatter, plain_text
 from ..core.client import SaverClient, job_id_for, job_key, run_dir_for
 from ..core.protocol import LOG_NAME
 from ..core.rescue import RescueStatus, in_flight, job_slots, persist_newest
@@ -72,29 +73,64 @@ def _say(message: str, stream: IO[str] | None = None) -> None:
 # --- arguments ------------------------------------------------------------------------------
 
 
+_USAGE = f"{PROG} [{PROG} options] [torchrun options] training_script [training_script_args ...]"
+_DESCRIPTION = """\
+torchrun that takes care of flash checkpoints: it runs the workers under torch elastic's agent
+(its rendezvous, its restarts) and, with --checkpoint-dir, hosts the node's saver, prints a failed
+rank's error, persists the newest step held in memory when a worker fails or the job is stopped,
+and waits for in-flight persisting before it exits. Its own options come first; every torchrun
+option is accepted too (listed after them, as torchrun --help describes them)."""
+OWN_GROUP = f"{PROG} options"
+TORCHRUN_GROUP = "torchrun options"
+_MISSING_HELP = {"training_script_args": "the training script's own arguments, passed to it as they are"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """torchrun's parser plus this launcher's options."""
+    """torchrun's parser plus this launcher's options (listed first in ``--help``)."""
     parser = get_args_parser()
     parser.prog = PROG
-    parser.description = __doc__.split("\n\n")[0]
-    group = parser.add_argument_group("flashckpt")
-    group.add_argument("--checkpoint-dir", default=None,
+    parser.usage = _USAGE
+    parser.description = _DESCRIPTION
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:  # torchrun's help is written in reST
+        action.help = plain_text(action.help) or _MISSING_HELP.get(action.dest)
+    parser._optionals.title = TORCHRUN_GROUP
+    group = parser.add_argument_group(OWN_GROUP)
+    group.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                        help="the directory (or URL) the script's Checkpointer saves to: the launcher hosts "
-                       "that job's saver and persists its newest in-memory step on failure or stop")
-    group.add_argument("--job-id", default=None,
+                       "that job's saver and persists its newest in-memory step on failure or stop "
+                       "(default: none, nothing is persisted from memory)")
+    group.add_argument("--job-id", default=None, metavar="ID",
                        help="the script's job id, when it sets one (CheckpointerConfig.job_id or "
-                       f"${knobs.JOB_ID}); default: named by --checkpoint-dir")
+                       f"${knobs.JOB_ID}) (default: named by --checkpoint-dir)")
     group.add_argument("--auto-config", action="store_true",
                        help="fill in --nnodes/--nproc-per-node/--node-rank/--master-addr/--master-port "
                        "from the environment where they are not given")
     group.add_argument("--node-check", action="store_true", help="check this node before starting the workers")
-    group.add_argument("--node-check-timeout", type=float, default=300.0)
-    group.add_argument("--commit-timeout", type=float, default=120.0,
+    group.add_argument("--node-check-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="how long the node check may take")
+    group.add_argument("--commit-timeout", type=float, default=120.0, metavar="SECONDS",
                        help="when persisting after a failure or stop, how long rank 0's node waits for the "
                        "other nodes' files")
-    group.add_argument("--drain-timeout", type=float, default=300.0,
+    group.add_argument("--drain-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="how long to wait for in-flight persisting before exiting")
+    parser._action_groups.sort(key=lambda g: g.title != OWN_GROUP)  # stable: then torchrun's, as they were
     return parser
+
+
+def _restart_notice(max_restarts: int) -> str:
+    """What a launch without --checkpoint-dir does on a failure (said once, at the start)."""
+    restarts = (f"failed workers are restarted (up to {max_restarts} times)" if max_restarts > 0
+                else "restarts are off (--max-restarts 0)")
+    return f"no --checkpoint-dir: {restarts}, and nothing is persisted from memory on failure or stop"
+
+
+def _after_failure(left: int, most: int) -> str:
+    if most <= 0:
+        return "restarts are off (--max-restarts 0): not restarting the workers"
+    if left > 0:
+        return f"restarting the workers (restart {most - left + 1} of {most})"
+    return f"no restarts left (--max-restarts {most})"
 
 
 def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> argparse.Namespace:
@@ -325,9 +361,7 @@ class FlashElasticAgent(LocalElasticAgent):
             # Every worker of the node is stopped by now (torch elastic closes them on a failure).
             stderrs = dict(self._pcontext.stderrs) if self._pcontext is not None else {}
             self._care.on_failure(result.failures, stderrs)
-            left, most = self._remaining_restarts, worker_group.spec.max_restarts
-            _say(f"restarting the workers (restart {most - left + 1} of {most})" if left > 0 else
-                 f"no restarts left (--max-restarts {most})")
+            _say(_after_failure(self._remaining_restarts, worker_group.spec.max_restarts))
         return result
 
 
@@ -391,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.node_check and not _node_check(config, args.node_check_timeout):
         return 1
     if args.checkpoint_dir is None and args.job_id is None and knobs.get(knobs.JOB_ID) is None:
-        _say("no --checkpoint-dir: workers are restarted, but nothing is persisted from memory on failure or stop")
+        _say(_restart_notice(config.max_restarts))
     care = NodeCare(args.checkpoint_dir, args.job_id, commit_timeout=args.commit_timeout,
                     drain_timeout=args.drain_timeout)
     return launch(config, entrypoint, cmd_args, care)
