@@ -1,18 +1,20 @@
 """flashckpt-integrations: near-free checkpointing for PyTorch training.
 
-``import flashckpt_integrations`` needs torch only; framework adapters live in
+``import flashckpt_integrations`` needs torch only (and imports it with the first use of
+``Checkpointer``); framework adapters live in
 ``flashckpt_integrations.adapters`` and import their framework themselves.
 """
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING, Any
+
 from .config import BusyPolicy, CheckpointerConfig
-from .core.engine import Checkpointer
 from .core.layout import Layout
 from .core.results import LoadResult, PersistResult, SaveResult, SaveStatus
 from .core.retention import RetentionPolicy
-from .core.state import Codec, FileSpec
 from .core.storage import Storage, register_storage
+from .core.writing import Codec
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -24,6 +26,24 @@ from .errors import (
     SharedMemoryError,
     StorageError,
 )
+
+# Imported on first use (they import torch): the saver imports this package and starts without torch.
+_LAZY = {"Checkpointer": ".core.engine", "FileSpec": ".core.state"}
+
+if TYPE_CHECKING:
+    from .core.engine import Checkpointer
+    from .core.state import FileSpec
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BusyPolicy",

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 from .._utils.devices import synchronize_devices
 from ..errors import SharedMemoryError
 from . import commit as commit_protocol
-from .codecs import write_file
 from .layout import Layout, write_rank_done, write_rank_failed
 from .results import SaveResult, SaveStatus
 from .shm_buffer import Slot
 from .state import SnapshotPlan, copy_regions
 from .storage import Storage
+from .writing import write_file
 
 if TYPE_CHECKING:
     from .engine import Checkpointer

@@ -42,7 +42,6 @@ from .._utils.locks import same_file
 from ..errors import StorageError
 from . import commit as commit_protocol
 from . import lineage
-from .codecs import write_file
 from .layout import (
     COMMITTED,
     DELETING,
@@ -62,6 +61,7 @@ from .protocol import LOCK_NAME, LOG_NAME, SLOTS_FILE, SOCKET_NAME, SPAWN_LOCK_N
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
 from .storage import ENTRY_POINT_GROUP, Storage, remove_stale_temporaries, storage_from_url
+from .writing import write_file
 
 logger = logging.getLogger(__name__)
 

@@ -30,31 +30,14 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 
 from .._utils.devices import key_path, unsupported_device
+from .writing import Codec
 
 ALIGN = 64
-
-
-class Codec(str, Enum):
-    """How a file is encoded on storage."""
-
-    TORCH = "torch"
-    """``torch.save`` format (a zip with ``data.pkl``); loads with ``torch.load``."""
-    SAFETENSORS = "safetensors"
-    """A flat ``{name: tensor}`` dict in the safetensors format."""
-    BYTES = "bytes"
-    """Raw bytes, written as they are."""
-    JSON = "json"
-    """A JSON-serialisable object, written as UTF-8 JSON."""
-    PARTS = "parts"
-    """A list of parts written one after the other: ``bytes`` as they are, each tensor as the
-    ``torch.save`` file of that tensor alone (contiguous, detached); the layout of
-    ``torch.distributed.checkpoint``'s ``.distcp`` files. Read back from storage as bytes."""
 
 
 @dataclass

@@ -1,0 +1,58 @@
+"""The saver starts without torch, and no save waits on its start-up.
+
+The saver process imports neither torch nor numpy (it writes every format from the slot's
+bytes), so it answers a fraction of a second after the first ``Checkpointer``. Saves taken before
+it answers are held in their slots and persisted once it is up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+
+import torch
+
+from flashckpt_integrations import Checkpointer
+from flashckpt_integrations.core.client import job_key, run_dir_for
+from flashckpt_integrations.core.protocol import SPAWN_LOCK_NAME
+
+HOLD_S = 2.0
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((64, 1024), float(step)), "step": torch.tensor(step)}
+
+
+def _mapped_libraries(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_saves_before_the_saver_is_up_do_not_wait_and_are_all_committed(tmp_path):
+    url = str(tmp_path / "ckpt")
+    run_dir = run_dir_for(job_key(url), job_key("start-test")[:8])
+    lock = os.open(os.path.join(run_dir, SPAWN_LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # the saver cannot start until this is released: a slow start
+    released = threading.Timer(HOLD_S, lambda: (fcntl.flock(lock, fcntl.LOCK_UN), os.close(lock)))
+    started = time.monotonic()
+    released.start()
+    with Checkpointer(url, node_id="start-test") as ck:
+        first = [ck.save(step, _state(step)) for step in (1, 2)]
+        before_saver = time.monotonic() - started
+        assert before_saver < HOLD_S, "the test machine is too slow to tell"
+        for result in first:
+            assert result.ok and result.status.value == "persisting", result
+            assert result.blocking_s < HOLD_S / 4, result  # held in memory, not waiting for the saver
+        third = ck.save(3, _state(3))  # both slots wait for the saver: this one waits for a free slot
+        assert third.ok, third.reason
+        for result in (*first, third):
+            assert result.wait(120).committed, result.wait(120)
+        assert ck.committed_steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            assert torch.equal(ck.load(step, prefer_memory=False).state["w"], _state(step)["w"])
+        pid = ck._client.saver_pid
+        maps = _mapped_libraries(pid)
+        assert "libtorch" not in maps and "numpy" not in maps, "the saver imported torch or numpy"
+    released.join()
