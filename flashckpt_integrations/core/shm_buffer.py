@@ -42,11 +42,12 @@ import threading
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, SharedMemoryError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class Slot:
     def _map(self, populate: bool) -> None:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._mm = mmap.mmap(self._fd, self.size, flags=flags)
-        self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._tensor = None  # made on first use: the saver reads slots without torch
 
     def ensure_size(self, min_size: int) -> None:
         """Grow the slot to hold ``min_size`` bytes; existing bytes are kept."""
@@ -211,7 +212,7 @@ class Slot:
         """Part of the mapping is not page-locked yet, and registering can still succeed."""
         from .._utils.devices import pin_failure
 
-        return self._pinned_bytes < self.size and pin_failure() is None and torch.cuda.is_available()
+        return self._pinned_bytes < self.size and pin_failure() is None and _torch().cuda.is_available()
 
     def pin(self, device_index: int | None = None) -> bool:
         """Page-lock the mapping for CUDA device ``device_index``, so device copies into it run
@@ -227,18 +228,18 @@ class Slot:
         """
         from .._utils import devices
 
-        if not torch.cuda.is_available():
+        if not _torch().cuda.is_available():
             return False
         while True:
             with self._pin_lock:
-                if self._tensor is None:
+                if self._mm is None:
                     return False
                 if self._pinned_bytes >= self.size:
                     self._pinned = True
                     return True
                 if devices.pin_failure() is not None:
                     return False
-                start = self._tensor.data_ptr() + self._pinned_bytes
+                start = self.buffer.data_ptr() + self._pinned_bytes
                 nbytes = min(devices.PIN_CHUNK, self.size - self._pinned_bytes)
                 error = devices.host_register(start, nbytes, device_index)
                 if error is not None:
@@ -266,6 +267,8 @@ class Slot:
     @property
     def buffer(self) -> torch.Tensor:
         """A uint8 tensor over the whole slot (no copy)."""
+        if self._tensor is None and self._mm is not None:
+            self._tensor = _torch().frombuffer(self._mm, dtype=_torch().uint8)
         return self._tensor
 
     def read_header(self) -> SlotHeader | None:
@@ -347,16 +350,19 @@ class Slot:
         except ValueError as exc:
             raise CorruptCheckpointError(f"slot {self.path}: metadata is not valid JSON: {exc}") from exc
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+    def _check_range(self, offset: int, nbytes: int) -> None:
         if offset < 0 or offset + nbytes > self.size:
             raise CorruptCheckpointError(
                 f"slot {self.path}: range [{offset}, {offset + nbytes}) is outside the slot of {self.size} bytes"
             )
-        return self._tensor[offset : offset + nbytes]
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        self._check_range(offset, nbytes)
+        return self.buffer[offset : offset + nbytes]
 
     def memoryview(self, offset: int, nbytes: int) -> memoryview:
-        """A view of the slot's bytes (no copy, no numpy)."""
-        self.view(offset, nbytes)
+        """A view of the slot's bytes (no copy, no numpy, no torch)."""
+        self._check_range(offset, nbytes)
         return memoryview(self._mm)[offset : offset + nbytes]
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
@@ -366,8 +372,14 @@ class Slot:
 
     def storage(self, offset: int, nbytes: int) -> torch.UntypedStorage:
         """An untyped storage that starts at ``offset`` (no copy)."""
-        self.view(offset, nbytes)
-        return torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
+        self._check_range(offset, nbytes)
+        return _torch().frombuffer(self._mm, dtype=_torch().uint8, count=nbytes, offset=offset).untyped_storage()
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 def _check_owner(path: str, fd: int) -> None:
