@@ -73,7 +73,7 @@ from ..core.results import SaveResult
 from ..core.retention import RetentionPolicy
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, missing_dependency
-from . import _hf_deepspeed, _hf_fsdp
+from . import _hf_deepspeed, _hf_fsdp, _hf_subclass
 from ._common import (
     files_written_by,
     log_save,
@@ -156,7 +156,21 @@ class FlashCkptTrainer(Trainer):
 
     After ``train()``: ``flash_resumed_from`` is ``(step, "memory" | "storage")`` or ``None``, and
     ``flash_last_save`` is the :class:`~flashckpt_integrations.SaveResult` of the newest snapshot.
+
+    With another ``Trainer`` subclass (TRL's ``SFTTrainer``, ``DPOTrainer``, ...), list this class
+    first: ``class T(FlashCkptTrainer, SFTTrainer)``. Every snapshot, memory-only ones included, runs
+    the whole ``_save_checkpoint`` chain with ``_get_output_dir()`` naming a scratch folder; what the
+    classes write into its ``checkpoint-N/`` is committed with the snapshot (see :mod:`._hf_subclass`).
+    Their ``_load_optimizer_and_scheduler`` and ``_load_scaler`` run on every resume, and read those
+    files from the folder they are given (on a resume from memory, a private copy).
     """
+
+    _flash_scope: _hf_subclass.SaveScope | None = None
+    """The snapshot the ``_save_checkpoint`` chain is building, while it runs."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _hf_subclass.check_bases(cls, FlashCkptTrainer, Trainer)
 
     def __init__(
         self,
@@ -270,10 +284,38 @@ class FlashCkptTrainer(Trainer):
 
     # --- saving ----------------------------------------------------------------------------
 
+    @_hf_subclass.whole_save
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        if trial is not None or self._flash_unsupported() is not None:
+        scope = self._flash_scope
+        if scope is None:  # a trial, or a configuration left to the stock code
             return super()._save_checkpoint(model, trial)
-        self._flash_snapshot(persist=True)
+        scope.files = self._flash_files(scope.step, scope.persist)
+        scope.keep(self.state)
+        super()._save_checkpoint(model, trial)  # the classes after this one; the stock writers skip scope.files
+
+    def _get_output_dir(self, trial: Any) -> str:
+        scope = self._flash_scope
+        return scope.scratch if scope is not None else super()._get_output_dir(trial)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not (_internal_call and self._flash_holds(output_dir)):
+            super().save_model(output_dir, _internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._flash_holds(output_dir):
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if not self._flash_holds(output_dir):
+            super()._save_scaler(output_dir)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        if not self._flash_holds(output_dir):
+            super()._save_rng_state(output_dir)
+
+    def _flash_holds(self, output_dir: str | None) -> bool:
+        """Whether a stock writer aimed at ``output_dir`` would write what the snapshot holds already."""
+        return self._flash_scope is not None and self._flash_scope.holds(output_dir)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         if not self._flash_prepared:  # after the first optimizer step of this train()
@@ -283,13 +325,13 @@ class FlashCkptTrainer(Trainer):
         if self._flash_memory_due:
             self._flash_memory_due = False
             if self._flash_saved_step != self.state.global_step and self._flash_unsupported() is None:
-                self._flash_snapshot(persist=False)
+                self._flash_snapshot(self.model_wrapped, persist=False)
 
-    def _flash_snapshot(self, persist: bool) -> SaveResult:
-        """Snapshot what ``Trainer._save_checkpoint`` would write for this step; persist it or not.
+    def _flash_snapshot(self, model: Any, persist: bool) -> SaveResult:
+        """Snapshot what ``_save_checkpoint`` writes for this step, every class's part; persist it or not.
 
-        Logs, once, the whole time this held training (building the files, the copy) and where
-        the checkpoint lands.
+        Logs, once, the whole time this held training (building the files, the classes' own parts,
+        the copy) and where the checkpoint lands.
         """
         started = time.perf_counter()
         ck = self.flash_checkpointer
@@ -298,7 +340,17 @@ class FlashCkptTrainer(Trainer):
             self._flash_attached = self.optimizer
         step = self.state.global_step
         self.store_flos()
-        files = self._flash_files(step, persist)
+        scope = self._flash_scope = _hf_subclass.SaveScope.open(step, persist, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        try:
+            with _hf_subclass.quiet(scope):
+                self._save_checkpoint(model, None)  # the most derived class's: the whole chain, in the scope
+            scope.restore(self.state)
+            files = _hf_subclass.merge(scope, type(self))
+            if persist:
+                scope.move_outside(self.args.output_dir)
+        finally:
+            self._flash_scope = None
+            scope.close()
         if self.is_deepspeed_enabled:  # the engine's files and these, committed together
             result = _hf_deepspeed.save(self, step, files, persist)
         else:
@@ -537,8 +589,8 @@ class FlashCkptTrainer(Trainer):
             return share_from_rank0(files, ck.rank, is_own=lambda name: _hf_deepspeed.is_own_file(name, files))
         # The RNG files are byte files (torch.save by the stock code): nothing here needs numpy unpickled.
         files = ck.load(step, map_location="cpu").files
-        if ck.world_size > 1:
-            files = share_from_rank0(files, ck.rank, is_own=lambda name: name.startswith("rng_state"))
+        if ck.world_size > 1:  # rank 0's files, and each rank's own: its RNG state and what its classes wrote
+            files = share_from_rank0(files, ck.rank, is_own=lambda name: ck.rank != 0 or name.startswith("rng_state"))
         return files
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
@@ -574,8 +626,14 @@ class FlashCkptTrainer(Trainer):
         memory = self._flash_resume
         if memory is None or checkpoint != memory.path:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if self.is_deepspeed_enabled:
+        if self.is_deepspeed_enabled:  # (the stock part would read scheduler.pt, which stays in memory)
             return _hf_deepspeed.load_scheduler(self, memory)
+        self._flash_load_optimizer_and_scheduler(memory)
+        # The classes after this one load their own state from the folder; the stock part finds no
+        # optimizer or scheduler file there (they come from memory) and loads nothing.
+        super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _flash_load_optimizer_and_scheduler(self, memory: _MemoryResume) -> None:
         optimizer, scheduler = memory.files.pop(OPTIMIZER_NAME, None), memory.files.pop(SCHEDULER_NAME, None)
         if scheduler is None or (optimizer is None and not self.is_fsdp_enabled):
             return  # save_only_model: as the stock code, load neither
@@ -589,11 +647,11 @@ class FlashCkptTrainer(Trainer):
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         memory = self._flash_resume
-        if memory is None or checkpoint != memory.path:
-            return super()._load_scaler(checkpoint)
-        scaler = memory.files.pop(SCALER_NAME, None)
-        if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
-            self.accelerator.scaler.load_state_dict(scaler)
+        if memory is not None and checkpoint == memory.path:
+            scaler = memory.files.pop(SCALER_NAME, None)
+            if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
+                self.accelerator.scaler.load_state_dict(scaler)
+        super()._load_scaler(checkpoint)  # the classes after this one (the stock part finds no scaler.pt)
 
     def _load_best_model(self) -> None:
         if self._flash_checkpointer is not None:
