@@ -11,7 +11,7 @@ from .core.retention import RetentionPolicy
 
 
 class BusyPolicy(str, Enum):
-    """What a save does when both of the rank's slots are still being persisted."""
+    """What a save does when every slot of the rank is still being persisted."""
 
     WAIT = "wait"
     """Block until the older persist finishes (bounded by ``busy_timeout_s``, then skip)."""
@@ -41,8 +41,15 @@ class CheckpointerConfig:
     each tensor as soon as it is in place. Shortens call-to-committed where the host has cores
     and memory bandwidth to spare; on a small host the two compete and the save blocks longer
     (measured on 2 cores: 5x the blocking time), hence off by default. Host tensors only."""
+    slots: int = 2
+    """Shared-memory slots per rank, each the size of the rank's state (plus 4%). With 2, a save
+    copies into the slot without the newest snapshot, so one complete snapshot survives a crash
+    mid-copy and a memory save never waits for a persist. With 1 (hosts that cannot hold two
+    copies), the job needs half the memory; a crash mid-copy leaves no snapshot in memory (the
+    restart loads from storage), and a save while the slot is persisted waits or is skipped
+    (``on_slot_busy``)."""
     on_slot_busy: BusyPolicy = BusyPolicy.WAIT
-    """When both slots are still being persisted: wait, or skip the save (reported)."""
+    """When every slot is still being persisted: wait, or skip the save (reported)."""
     busy_timeout_s: float = 600.0
     commit_timeout_s: float = 600.0
     """How long the committer waits for every rank's files before it marks the step failed."""
@@ -67,6 +74,8 @@ class CheckpointerConfig:
             self.layout = Layout(**self.layout)
         if not isinstance(self.retention, RetentionPolicy):
             self.retention = RetentionPolicy(**self.retention)
+        if self.slots not in (1, 2):
+            raise ValueError(f"slots={self.slots!r} must be 1 or 2 (shared-memory copies of the state per rank)")
         for name in ("busy_timeout_s", "commit_timeout_s", "saver_start_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive number of seconds")

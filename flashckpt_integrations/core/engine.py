@@ -86,9 +86,9 @@ class Checkpointer(LoadPath):
         self.run_dir = run_dir_for(self.job_key, job_key(node)[:8])
         shm_dir = knobs.get(knobs.SHM_DIR, self.config.shm_dir)
         prefix = f"flashckpt-{os.getuid()}-{self.job_key}-r{self.rank}"
-        self.slot_paths = [os.path.join(shm_dir, f"{prefix}-{k}") for k in range(2)]
-        self._slots: list[Slot | None] = [None, None]
-        self._persisting: list[Future | None] = [None, None]
+        self.slot_paths = [os.path.join(shm_dir, f"{prefix}-{k}") for k in range(self.config.slots)]
+        self._slots: list[Slot | None] = [None] * self.config.slots
+        self._persisting: list[Future | None] = [None] * self.config.slots
         self._client = SaverClient(self.run_dir, self.rank, start_timeout=self.config.saver_start_timeout_s)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-prefault")
@@ -152,12 +152,12 @@ class Checkpointer(LoadPath):
             nbytes = plan.layout(HEADER_SIZE) + 64 * 1024 + 256 * len(plan.regions)
             device = devices.device_index(plan)
         if background:
-            for index in range(2):
+            for index in range(len(self._slots)):
                 self._background.submit(self._prepare_slot, index, nbytes, device)
             return
         with self._lock:  # never remap a slot under an overlapped copy (or a save) into it
             self.wait_for_snapshot()
-            for index in range(2):
+            for index in range(len(self._slots)):
                 if self._persisting[index] is None or self._persisting[index].done():
                     self._ensure_slot(index, nbytes, pin=device, wait_pin=True)
 
@@ -221,9 +221,10 @@ class Checkpointer(LoadPath):
             except SharedMemoryError as exc:
                 return direct.fallback(self, step, plan, meta, persist, exc)
             self._seq += 1
-            if self._slots[1 - index] is None:  # the other slot is created off the training path, sized
+            for other in range(len(self._slots)):  # the other slot is created off the training path, sized
                 # for this state as this one was (its headroom is added once, by the slot, not twice)
-                self._background.submit(self._prepare_slot, 1 - index, end + len(raw_meta), devices.device_index(plan))
+                if other != index and self._slots[other] is None:
+                    self._background.submit(self._prepare_slot, other, end + len(raw_meta), devices.device_index(plan))
             slot.begin_write(step, seq)
             if persist:
                 slot.mark_persist_requested(seq)
@@ -478,14 +479,15 @@ class Checkpointer(LoadPath):
         """Pick a slot not being persisted, preferring the one without the newest snapshot."""
         deadline = time.monotonic() + self.config.busy_timeout_s
         while True:
-            free = [i for i in range(2) if not self._busy(i)]
+            free = [i for i in range(len(self._slots)) if not self._busy(i)]
             if free:
                 newest = self._newest_index()
                 others = [i for i in free if i != newest]
                 return (others or free)[0], None
             reason = (
-                f"both shared-memory slots of rank {self.rank} are still being persisted "
-                "(storage is slower than the save interval)"
+                f"{'both shared-memory slots' if len(self._slots) == 2 else 'the shared-memory slot'} of rank "
+                f"{self.rank} {'are' if len(self._slots) == 2 else 'is'} still being persisted (storage is slower "
+                "than the save interval)"
             )
             if self.config.on_slot_busy is BusyPolicy.SKIP or time.monotonic() > deadline:
                 return None, reason + "; this save was skipped. Save less often or use faster storage."
@@ -553,7 +555,7 @@ class Checkpointer(LoadPath):
 
     def _newest_index(self) -> int | None:
         best, best_seq = None, -1
-        for index in range(2):
+        for index in range(len(self._slots)):
             slot = self._slot(index)
             header = slot.read_header() if slot is not None else None
             if header is not None and header.state is SlotState.COMPLETE and header.seq > best_seq:
@@ -562,7 +564,7 @@ class Checkpointer(LoadPath):
 
     def _newest_seq(self) -> int:
         seqs = [0]
-        for index in range(2):
+        for index in range(len(self._slots)):
             with contextlib.suppress(FlashCkptError):
                 slot = self._slot(index)
                 header = slot.read_header() if slot is not None else None
@@ -603,7 +605,7 @@ class Checkpointer(LoadPath):
                 if clean:
                     slot.unlink()
                 slot.close()
-        self._slots = [None, None]
+        self._slots = [None] * len(self._slots)
 
 
 class _AtExit:

@@ -195,7 +195,7 @@ class LoadPath:
     def _memory_snapshots(self) -> dict[int, tuple[Slot, dict[str, Any]]]:
         """Complete, checksum-verified snapshots of this rank, by step (newest seq wins)."""
         found: dict[int, tuple[int, Slot, dict[str, Any]]] = {}
-        for index in range(2):
+        for index in range(len(self._slots)):
             try:
                 slot = self._slot(index)
                 header = slot.read_header() if slot is not None else None

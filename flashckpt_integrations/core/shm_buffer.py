@@ -61,7 +61,7 @@ _OFF_PERSIST_DONE = 64
 _OFF_COPIED = 72
 _U64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
-GROWTH = 1.10
+GROWTH = 1.04
 """A slot grows to this factor of what a save needs, so small growth does not remap each save."""
 
 

@@ -201,6 +201,24 @@ def test_without_prepare_the_second_slot_is_sized_like_the_first(make_checkpoint
     first, second = (os.stat(p).st_size for p in ck.slot_paths)
     assert first == second, (first, second)
     assert state_bytes < second <= state_bytes * (GROWTH + 0.01), (second, state_bytes)
+    assert first + second <= 2.1 * state_bytes  # the memory budget README states for two slots
+
+
+def test_one_slot_halves_the_memory_and_a_save_during_its_persist_is_skipped(make_checkpointer, monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "1")
+    ck = make_checkpointer(storage_factory="tests.helpers:SlowStorage", on_slot_busy="skip", slots=1)
+    state = {"w": torch.randn(4 << 20)}  # 16 MiB
+    first = ck.save(1, state)
+    assert first.status is SaveStatus.PERSISTING
+    during = ck.save(2, expected(2), persist=False)
+    assert during.status is SaveStatus.SKIPPED and "the shared-memory slot of rank 0 is" in during.reason
+    assert first.wait(60).committed
+    assert ck.save(3, state, persist=False).status is SaveStatus.IN_MEMORY
+    assert ck.memory_steps() == [3] and ck.committed_steps() == [1]
+    assert torch.equal(ck.load(3).state["w"], state["w"])
+    assert len(ck.slot_paths) == 1 and os.stat(ck.slot_paths[0]).st_size <= 1.05 * state["w"].nbytes
+    with pytest.raises(ValueError, match="slots=3 must be 1 or 2"):
+        make_checkpointer(slots=3)
 
 
 def test_two_jobs_on_one_host_never_see_each_other(make_checkpointer, tmp_path):
