@@ -612,10 +612,12 @@ class FlashCkptTrainer(Trainer):
         model = self.model if model is None else model
         if self.is_fsdp_enabled:  # collective: shards from every rank's slot, or rank 0's full state
             return _hf_fsdp.load_model(self, model, memory)
+        names = [n for n in memory.files if n == WEIGHTS_NAME or (n.startswith("model") and n.endswith(".safetensors"))]
+        if any(_is_bytes(memory.files[n]) for n in names):  # written by a subclass itself: in the folder
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         state_dict: dict[str, torch.Tensor] = {}
-        for name in list(memory.files):  # popped: the copies are freed once they are in the model
-            if name == WEIGHTS_NAME or (name.startswith("model") and name.endswith(".safetensors")):
-                state_dict.update(memory.files.pop(name))
+        for name in names:  # popped: the copies are freed once they are in the model
+            state_dict.update(memory.files.pop(name))
         if not state_dict:
             raise FlashCkptError(f"the shared-memory snapshot of step {memory.step} holds no model weights")
         load_result = model.load_state_dict(state_dict, False)
@@ -628,7 +630,8 @@ class FlashCkptTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         if self.is_deepspeed_enabled:  # (the stock part would read scheduler.pt, which stays in memory)
             return _hf_deepspeed.load_scheduler(self, memory)
-        self._flash_load_optimizer_and_scheduler(memory)
+        if not _is_bytes(memory.files.get(OPTIMIZER_NAME)):  # (else written by a subclass itself: in the folder)
+            self._flash_load_optimizer_and_scheduler(memory)
         # The classes after this one load their own state from the folder; the stock part finds no
         # optimizer or scheduler file there (they come from memory) and loads nothing.
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -647,7 +650,7 @@ class FlashCkptTrainer(Trainer):
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         memory = self._flash_resume
-        if memory is not None and checkpoint == memory.path:
+        if memory is not None and checkpoint == memory.path and not _is_bytes(memory.files.get(SCALER_NAME)):
             scaler = memory.files.pop(SCALER_NAME, None)
             if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
                 self.accelerator.scaler.load_state_dict(scaler)
@@ -711,6 +714,11 @@ def _checkpoint_step(path: str) -> int | None:
     """The step in a ``checkpoint-<N>`` path, or None."""
     tail = os.path.basename(os.path.normpath(path)).rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else None
+
+
+def _is_bytes(obj: Any) -> bool:
+    """A file of a memory snapshot held as its bytes (laid out in the resume folder for the stock loaders)."""
+    return isinstance(obj, (bytes, bytearray))
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
