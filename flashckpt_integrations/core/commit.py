@@ -47,6 +47,25 @@ logger = logging.getLogger(__name__)
 COMMIT_POLL_S = 0.02
 
 
+def settled(storage: Storage, step: int, sid: str, names: set[str] | None = None) -> tuple[str | None, dict[str, Any]]:
+    """Whether save ``sid`` of ``step`` is decided: ``("committed", its commit record)``,
+    ``("failed", its failure record)``, or ``(None, {})`` while neither is on storage.
+
+    ``names`` is the listing of the step's marker directory when the caller has it.
+    """
+    marker_dir = Layout.marker_dir(step)
+    names = set(storage.list(marker_dir)) if names is None else names
+    if COMMITTED in names:
+        record = commit_record(storage, step) or {}
+        if record.get("sid", "") == sid:
+            return "committed", record
+    if FAILED in names:
+        failure = read_json(storage, f"{marker_dir}/{FAILED}")
+        if failure.get("sid", "") == sid:
+            return "failed", failure
+    return None, {}
+
+
 def claim(storage: Storage, layout: Layout, request: dict[str, Any]) -> str:
     """Where rank ``request['rank']`` writes its files of save ``sid``; drops its own stale markers of that save."""
     rank, step, sid = int(request["rank"]), int(request["step"]), request.get("sid", "")
@@ -69,7 +88,7 @@ def already_persisted(storage: Storage, layout: Layout, request: dict[str, Any],
     if mine in names and read_json(storage, f"{layout.marker_dir(step)}/{mine}").get("seq") == seq:
         logger.info("rank %d step %d (seq %d) was persisted already", rank, step, seq)
         return True
-    if recovered and COMMITTED in names and (commit_record(storage, step) or {}).get("sid", "") == sid:
+    if recovered and settled(storage, step, sid, names)[0] == "committed":
         logger.info("step %d is committed already; the recovered request of rank %d is dropped", step, rank)
         return True
     return False
@@ -117,9 +136,7 @@ def _wait_for_markers(storage: Storage, layout: Layout, request: dict[str, Any])
     deadline = time.monotonic() + float(request.get("commit_timeout", 600))
     while True:
         names = set(storage.list(marker_dir))
-        if COMMITTED in names and (commit_record(storage, step) or {}).get("sid", "") == sid:
-            return None
-        if FAILED in names and read_json(storage, f"{marker_dir}/{FAILED}").get("sid", "") == sid:
+        if settled(storage, step, sid, names)[0] is not None:
             return None
         failed = sorted(r for r in range(world_size) if marker_name(r, sid, ok=False) in names)
         missing = [r for r in range(world_size) if marker_name(r, sid) not in names]
@@ -152,7 +169,7 @@ def _switch(storage: Storage, layout: Layout, request: dict[str, Any], markers: 
     if base == final and old is not None and old.get("sid", "") != sid:
         raise RuntimeError(f"step {step} was committed by save {old.get('sid')} while save {sid} wrote into its "
                            "directory; not committed")
-    trash = None
+    trash, tracked = None, False
     if base != final:
         if old is None and not storage.exists(final):
             storage.rename(base, final)  # nothing to keep intact: the commit record below is the switch
@@ -161,6 +178,7 @@ def _switch(storage: Storage, layout: Layout, request: dict[str, Any], markers: 
             write_json(storage, f"{layout.marker_dir(step)}/{COMMITTED}",
                        {**record, "files_dir": base, "final_dir": final, "replaces": (old or {}).get("sid")})
             _write_tracker(storage, layout, request, step)
+            tracked = True
             try:
                 fault_point("saver.supersede")  # switched, the new files not yet in place
                 trash = _move_into_place(storage, base, final, step)
@@ -170,7 +188,8 @@ def _switch(storage: Storage, layout: Layout, request: dict[str, Any], markers: 
                 return
         if sid:
             storage.remove(layout.staging_root(step, sid))  # this save's own staging folder, empty now
-    _write_tracker(storage, layout, request, step)
+    if not tracked:
+        _write_tracker(storage, layout, request, step)
     write_json(storage, f"{layout.marker_dir(step)}/{COMMITTED}", {**record, "files_dir": final})
     _remove_replaced(storage, layout, step, sid, trash)
 

@@ -41,8 +41,9 @@ from ..errors import (
     SharedMemoryError,
 )
 from . import collectives, direct, lineage
+from . import commit as commit_protocol
 from .client import SaverClient, job_id_for, job_key, private_dir, run_dir_for
-from .layout import FAILED, Layout, commit_record, read_json
+from .layout import Layout, read_json
 from .loading import LoadPath, locked_by_saver
 from .protocol import SLOTS_FILE
 from .results import PersistResult, SaveResult, SaveStatus
@@ -455,15 +456,15 @@ class Checkpointer(LoadPath):
         while time.monotonic() < deadline:
             try:
                 names = set(self.storage.list(marker_dir))
-                if "COMMITTED" in names and (commit_record(self.storage, step) or {}).get("sid", "") == sid:
+                outcome, failure = commit_protocol.settled(self.storage, step, sid, names)
+                if outcome == "committed":
                     return PersistResult(step, True)
                 if not names and any(s > step for s in self.committed_steps()):
                     return PersistResult(step, True)  # this rank's marker was there: retention deleted the step
-                if FAILED in names:
-                    failure = read_json(self.storage, f"{marker_dir}/{FAILED}")
+                if outcome == "failed":
                     mine_path = self.layout.rank_marker(step, self.rank, sid=sid)
                     mine = read_json(self.storage, mine_path) if self.storage.exists(mine_path) else {}
-                    if failure.get("sid", "") == sid and failure.get("time", 0) >= mine.get("time", 0):
+                    if failure.get("time", 0) >= mine.get("time", 0):
                         reason = failure.get("reason")
                         logger.error("[RANK %d] step %d was not committed: %s", self.rank, step, reason)
                         return PersistResult(step, False, reason)

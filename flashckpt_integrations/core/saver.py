@@ -45,9 +45,7 @@ from . import lineage
 from .layout import (
     COMMITTED,
     DELETING,
-    FAILED,
     Layout,
-    commit_record,
     commit_records,
     marked_steps,
     marker_name,
@@ -214,11 +212,11 @@ class Saver:
             layout, step, sid = Layout(**request["layout"]), int(request["step"]), request.get("sid", "")
             storage = self._storage(request)
             names = set(storage.list(layout.marker_dir(step)))
-            if COMMITTED in names and (commit_record(storage, step) or {}).get("sid", "") == sid:
-                commit_protocol.finish_switch(storage, layout, step)  # committed; its files may not be in place
+            outcome, _ = commit_protocol.settled(storage, step, sid, names)
+            if outcome == "committed":
+                commit_protocol.finish_switch(storage, layout, step)  # its files may not be in place yet
                 return
-            failure = read_json(storage, f"{layout.marker_dir(step)}/{FAILED}") if FAILED in names else {}
-            if marker_name(0, sid) not in names or (FAILED in names and failure.get("sid", "") == sid):
+            if outcome == "failed" or marker_name(0, sid) not in names:
                 return
             if read_json(storage, layout.rank_marker(step, 0, sid=sid)).get("seq") != int(request["seq"]):
                 return
