@@ -62,7 +62,7 @@ PROG = "flashckpt-run"
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 _OWN_OPTIONS = {  # flag -> takes a value; removed from the argv handed to --auto-config
     "--checkpoint-dir": True, "--job-id": True, "--auto-config": False, "--node-check": False,
-    "--node-check-timeout": True, "--commit-timeout": True, "--drain-timeout": True,
+    "--node-check-timeout": True, "--node-check-report": True, "--commit-timeout": True, "--drain-timeout": True,
 }
 
 
@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--node-check", action="store_true", help="check this node before starting the workers")
     group.add_argument("--node-check-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="how long the node check may take")
+    group.add_argument("--node-check-report", default=None, metavar="PATH",
+                       help="keep this node's node-check report (JSON) at PATH (default: not kept)")
     group.add_argument("--commit-timeout", type=float, default=120.0, metavar="SECONDS",
                        help="when persisting after a failure or stop, how long rank 0's node waits for the "
                        "other nodes' files")
@@ -401,14 +403,14 @@ def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: Nod
         care.drain()
 
 
-def _node_check(config: LaunchConfig, timeout_s: float) -> bool:
+def _node_check(config: LaunchConfig, timeout_s: float, report_path: str | None = None) -> bool:
     try:
         from .node_check import run_node_check
     except ImportError as exc:
         _say(f"--node-check is not available in this installation: {exc}")
         return False
     try:
-        run_node_check(config, timeout_s)  # it reports what it found
+        run_node_check(config, timeout_s, report_path=report_path)  # it reports what it found
     except NodeCheckError as exc:
         _say(f"node check failed on {socket.gethostname()}: {exc}")
         return False
@@ -422,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # attempt's keys and fail to connect (pytorch/pytorch#135712): a fresh store per attempt.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config, entrypoint, cmd_args = config_from_args(args)
-    if args.node_check and not _node_check(config, args.node_check_timeout):
+    if args.node_check and not _node_check(config, args.node_check_timeout, args.node_check_report):
         return 1
     if args.checkpoint_dir is None and args.job_id is None and knobs.get(knobs.JOB_ID) is None:
         _say(_restart_notice(config.max_restarts))

@@ -7,8 +7,8 @@ import sys
 from flashckpt_integrations.launcher import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OWN = ["--checkpoint-dir", "--job-id", "--auto-config", "--node-check", "--node-check-timeout", "--commit-timeout",
-       "--drain-timeout"]
+OWN = ["--checkpoint-dir", "--job-id", "--auto-config", "--node-check", "--node-check-timeout",
+       "--node-check-report", "--commit-timeout", "--drain-timeout"]
 
 
 def test_help_lists_the_launchers_own_options_first_with_their_defaults_in_plain_text():
@@ -28,6 +28,13 @@ def test_help_lists_the_launchers_own_options_first_with_their_defaults_in_plain
     for action in parser._actions:
         assert action.help, f"{action.dest} has no help"
     assert "``" not in text and ":func:" not in text and "`" not in text, "reST markup in the help"
+
+
+def test_the_node_check_report_path_reaches_the_check_and_not_torchrun():
+    argv = ["--node-check", "--node-check-report", "/tmp/report.json", "--nproc-per-node", "2", "train.py", "--lr", "1"]
+    args = run.parse_args(argv)
+    assert args.node_check and args.node_check_report == "/tmp/report.json"
+    assert run.torchrun_argv(argv, args) == ["--nproc-per-node", "2", "train.py", "--lr", "1"]
 
 
 def test_the_restart_notice_says_restarts_are_off_with_max_restarts_0():
