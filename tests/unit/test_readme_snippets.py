@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -119,6 +120,12 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+def _free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def _slots_left(directory: str) -> list[str]:
     """Shared-memory slots still held by the jobs that saved under ``directory``."""
     from flashckpt_integrations.core.rescue import job_slots
@@ -142,7 +149,9 @@ def test_snippet_runs(snippet: Snippet, tmp_path) -> None:
     script = work / "snippet.py"
     script.write_text(snippet.code)
     try:
-        proc = subprocess.run([sys.executable, str(script)], cwd=work, env=_clean_env(), capture_output=True,
+        # a free port for a snippet that sets MASTER_PORT only by default (os.environ.setdefault)
+        env = {**_clean_env(), "MASTER_PORT": _free_port()}
+        proc = subprocess.run([sys.executable, str(script)], cwd=work, env=env, capture_output=True,
                               text=True, timeout=SNIPPET_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{snippet.name} ran past {SNIPPET_TIMEOUT_S}s\n{exc.stdout}\n{exc.stderr}")
