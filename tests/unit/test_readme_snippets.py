@@ -26,6 +26,7 @@ import re
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -139,25 +140,49 @@ def _slots_left(directory: str) -> list[str]:
 
 
 RUNNABLE = [s for s in all_snippets() if s.skip is None]
+PARALLEL = 2
+"""Snippets run two at a time: much of each is waiting (imports, the saver's start, commits)."""
 
 
-@pytest.mark.timeout(SNIPPET_TIMEOUT_S + 30)
-@pytest.mark.parametrize("snippet", RUNNABLE, ids=[s.name for s in RUNNABLE])
-def test_snippet_runs(snippet: Snippet, tmp_path) -> None:
-    work = tmp_path / "w"
-    work.mkdir()
-    script = work / "snippet.py"
-    script.write_text(snippet.code)
+@dataclass
+class Run:
+    work: str
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+def _run(snippet: Snippet, work: str) -> Run:
+    script = os.path.join(work, "snippet.py")
+    with open(script, "w") as f:
+        f.write(snippet.code)
+    # a free port for a snippet that sets MASTER_PORT only by default (os.environ.setdefault)
+    env = {**_clean_env(), "MASTER_PORT": _free_port()}
     try:
-        # a free port for a snippet that sets MASTER_PORT only by default (os.environ.setdefault)
-        env = {**_clean_env(), "MASTER_PORT": _free_port()}
-        proc = subprocess.run([sys.executable, str(script)], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=SNIPPET_TIMEOUT_S)
+        proc = subprocess.run([sys.executable, script], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=SNIPPET_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{snippet.name} ran past {SNIPPET_TIMEOUT_S}s\n{exc.stdout}\n{exc.stderr}")
-    output = f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    assert proc.returncode == 0, f"{snippet.name} exited with {proc.returncode}\n{output}"
-    left = _slots_left(str(work))
+        return Run(work, None, str(exc.stdout), str(exc.stderr))
+    return Run(work, proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(tmp_path_factory):
+    """Every runnable snippet, started at once on a small pool; each test waits for its own."""
+    pool = ThreadPoolExecutor(PARALLEL, thread_name_prefix="snippet")
+    futures = {s.name: pool.submit(_run, s, str(tmp_path_factory.mktemp("snippet"))) for s in RUNNABLE}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.timeout(len(RUNNABLE) * SNIPPET_TIMEOUT_S)
+@pytest.mark.parametrize("snippet", RUNNABLE, ids=[s.name for s in RUNNABLE])
+def test_snippet_runs(snippet: Snippet, snippet_runs) -> None:
+    run = snippet_runs[snippet.name].result()
+    output = f"--- stdout\n{run.stdout[-4000:]}\n--- stderr\n{run.stderr[-6000:]}"
+    assert run.returncode is not None, f"{snippet.name} ran past {SNIPPET_TIMEOUT_S}s\n{output}"
+    assert run.returncode == 0, f"{snippet.name} exited with {run.returncode}\n{output}"
+    left = _slots_left(run.work)
     for path in left:
         os.unlink(path)
     assert not left, f"{snippet.name} left shared memory behind (it should close its checkpointer): {left}"
