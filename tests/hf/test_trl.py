@@ -2,7 +2,8 @@
 
 A crash after a memory-only snapshot resumes from memory and ends with the weights of the stock
 trainer's uninterrupted run; every committed folder holds the files the stock trainer writes, and
-the trainer's own files (TRL's model card, state a subclass adds) are written at every save.
+the trainer's own files (TRL's model card, GRPOTrainer's entropy controller, state a subclass adds)
+are written at every save.
 """
 
 from __future__ import annotations
@@ -160,3 +161,39 @@ def test_dpo_resumes_from_a_memory_snapshot_after_a_failure_as_the_stock_run_end
     for step in (4, 8):  # the stock trainer's files, and the subclass's own
         assert sorted(os.listdir(ours / f"checkpoint-{step}")) == \
             sorted([*os.listdir(theirs / f"checkpoint-{step}"), ROLLOUT_STATE, steps_seen_name(0)])
+
+
+def test_grpo_adaptive_entropy_state_survives_a_memory_resume(tmp_path):
+    # GRPOTrainer keeps its entropy controller in checkpoint-N/entropy_ctrl_state.json (written after
+    # super()._save_checkpoint, read in _load_optimizer_and_scheduler).
+    flash = make_trainer("grpo", trainer_class("grpo", plain=False, count_steps=False), str(tmp_path / "flash" / "out"),
+                         max_steps=6, save_steps=3, flash_memory_interval=2)
+    coefficients: dict[str, float] = {}
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):  # the resumed state is loaded by then
+            coefficients["begin"] = flash.entropy_coef
+
+        def on_step_end(self, args, state, control, **kwargs):
+            coefficients[state.global_step] = flash.entropy_coef
+
+    flash.add_callback(Record())
+    flash.add_callback(_FailAt(5))  # after the memory-only snapshot of step 4
+    with pytest.raises(RuntimeError, match="injected failure"):
+        flash.train()
+    flash.remove_callback(_FailAt)
+    flash.entropy_coef = -1.0  # whatever the failed run left: the resume must load it
+    flash.train(resume_from_checkpoint=True)
+    assert flash.flash_resumed_from == (4, "memory")
+    assert coefficients["begin"] == coefficients[4] > 0
+
+    stock = make_trainer("grpo", trainer_class("grpo", plain=True, count_steps=False), str(tmp_path / "stock" / "out"),
+                         max_steps=6, save_steps=3)
+    stock.train()
+    assert_bitwise_equal(parameters(flash.model), parameters(stock.model))
+    assert flash.entropy_coef == stock.entropy_coef
+    ours, theirs = tmp_path / "flash" / "out", tmp_path / "stock" / "out"
+    for step in (3, 6):
+        assert sorted(os.listdir(ours / f"checkpoint-{step}")) == sorted(os.listdir(theirs / f"checkpoint-{step}"))
+        assert (ours / f"checkpoint-{step}" / "entropy_ctrl_state.json").read_bytes() == \
+            (theirs / f"checkpoint-{step}" / "entropy_ctrl_state.json").read_bytes()

@@ -1,6 +1,7 @@
-"""TRL's SFTTrainer or DPOTrainer on a tiny model, in its own process (run by tests/hf/test_trl.py).
+"""TRL's SFTTrainer, DPOTrainer or GRPOTrainer on a tiny model, in its own process (run by tests/hf/test_trl.py,
+which also imports the builders).
 
-    python tests/hf/trl_script.py --trainer sft|dpo --out DIR --result FILE [--plain] [--count-steps]
+    python tests/hf/trl_script.py --trainer sft|dpo|grpo --out DIR --result FILE [--plain] [--count-steps]
         [--kill-at S] [--resume]
     python -m torch.distributed.run --nproc-per-node 2 tests/hf/trl_script.py ...   (DDP, gloo)
 
@@ -27,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, set_seed  # noqa: E402
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
 from tests.hf.common import parameters  # noqa: E402
@@ -36,7 +37,7 @@ from tests.hf.train_script import KillAfterSnapshot  # noqa: E402
 
 WORDS = "the a cat dog bird sat ran flew on over under mat log tree far and then slept".split()
 VOCAB = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-STOCK = {"sft": SFTTrainer, "dpo": DPOTrainer}
+STOCK = {"sft": SFTTrainer, "dpo": DPOTrainer, "grpo": GRPOTrainer}
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -66,14 +67,28 @@ def dpo_data() -> Dataset:
                               "rejected": _sentences(32, 2, 4, seed=3)})
 
 
+def grpo_data() -> Dataset:
+    return Dataset.from_dict({"prompt": _sentences(32, 2, 5, seed=4)})
+
+
+def longer_is_better(completions: list[str], **_) -> list[float]:
+    return [float(len(c)) for c in completions]
+
+
 def make_trainer(kind: str, cls: type, out: str, *, max_steps: int, save_steps: int, **kwargs):
-    """A TRL trainer of ``kind`` (``cls``: the stock class, or one composed with FlashCkptTrainer)."""
-    config = SFTConfig if kind == "sft" else DPOConfig
+    """A TRL trainer of ``kind`` (``cls``: the stock class, or one composed with FlashCkptTrainer).
+
+    GRPO: 2 completions of 4 tokens per prompt, and the adaptive entropy control, whose state
+    (``entropy_ctrl_state.json``) GRPOTrainer keeps in its checkpoints.
+    """
+    config = {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig}[kind]
+    extra_args = {"num_generations": 2, "max_completion_length": 4, "use_adaptive_entropy": True,
+                  "entropy_target": 10.0} if kind == "grpo" else {}
     args = config(out, max_steps=max_steps, save_steps=save_steps, save_strategy="steps",
                   per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, seed=42, report_to="none",
-                  use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
-    data = sft_data() if kind == "sft" else dpo_data()
-    extra = {"ref_model": tiny_lm()} if kind == "dpo" else {}
+                  use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, **extra_args)
+    data = {"sft": sft_data, "dpo": dpo_data, "grpo": grpo_data}[kind]()
+    extra = {"ref_model": tiny_lm()} if kind == "dpo" else {"reward_funcs": longer_is_better} if kind == "grpo" else {}
     return cls(model=tiny_lm(), args=args, train_dataset=data, processing_class=tokenizer(), **extra, **kwargs)
 
 
