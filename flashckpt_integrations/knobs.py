@@ -21,6 +21,18 @@ SAVER_NICE = "FLASHCKPT_SAVER_NICE"
 FAULT = "FLASHCKPT_FAULT"
 """Fault injection (tests only): ``point[@n][,point[@n]...]`` SIGKILLs the process the n-th time
 (default: the first) it reaches ``point``; see ``flashckpt_integrations/_utils/faults.py``."""
+REPLICAS = "FLASHCKPT_REPLICAS"
+"""Replica count (0, 1 or 2), in place of ``CheckpointerConfig.replicas``: how many peer nodes keep
+a copy of each node's newest memory snapshots (see ``core/replication.py``)."""
+REPLICA_SECRET = "FLASHCKPT_REPLICA_SECRET"
+"""The job's replication secret, when the launcher hands one to every node (default: a 0600 file
+in the checkpoint directory's ``.flashckpt``, made by the first saver)."""
+REPLICA_ADDR = "FLASHCKPT_REPLICA_ADDR"
+"""The address a saver listens on for its peers and publishes (default: the interface that routes
+toward MASTER_ADDR)."""
+REPLICA_SHM_RESERVE = "FLASHCKPT_REPLICA_SHM_RESERVE"
+"""Bytes of shared memory a saver leaves free when it takes a replica (default: 10% of the file
+system); a replica that needs more is skipped and reported."""
 NODE_CHECK_PLUGINS = "FLASHCKPT_NODE_CHECK_PLUGINS"
 """Comma-separated modules the node check imports before it picks a check (they call
 ``register_node_check``; the last registered available check wins). Tests use it to make a rank slow."""

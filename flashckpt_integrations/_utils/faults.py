@@ -12,6 +12,8 @@ is unset every point is a call that returns at once. Points:
                      committed one, before its files are moved into the step's directory
 ``retention.delete`` the committer's retention, after a step lost its commit record and
                      before its files are deleted
+``replica.receive``  a saver receiving a peer's snapshot (a replica, or a restore's fetch), once
+                     per copy, after its first chunk is in place
 
 A process started by one that has the knob inherits it (the saver inherits its starter's).
 """
@@ -29,7 +31,8 @@ from .. import knobs
 
 logger = logging.getLogger(__name__)
 
-POINTS = ("trainer.copy", "trainer.sealed", "saver.write", "saver.commit", "saver.supersede", "retention.delete")
+POINTS = ("trainer.copy", "trainer.sealed", "saver.write", "saver.commit", "saver.supersede", "retention.delete",
+          "replica.receive")
 
 
 def parse(spec: str | None) -> dict[str, int]:

@@ -96,10 +96,14 @@ def run_dir_for(job: str, node: str) -> str:
 class SaverClient:
     """A connection from one rank to its node's saver."""
 
-    def __init__(self, run_dir: str, rank: int, *, start_timeout: float = 60.0) -> None:
+    def __init__(self, run_dir: str, rank: int, *, start_timeout: float = 60.0,
+                 hello: dict[str, Any] | None = None) -> None:
         self.run_dir = run_dir
         self.rank = rank
         self.start_timeout = start_timeout
+        self.hello = dict(hello or {})
+        """Sent with every hello, so that a restarted saver learns it again (e.g. ``replication``)."""
+        self._connect_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
         self._futures: dict[int, Future] = {}
@@ -118,7 +122,13 @@ class SaverClient:
     # --- connection ------------------------------------------------------------------------
 
     def connect(self) -> None:
-        """Connect to the node's saver, starting it when none answers."""
+        """Connect to the node's saver, starting it when none answers (from any thread)."""
+        if self._sock is not None:
+            return
+        with self._connect_lock:
+            self._connect()
+
+    def _connect(self) -> None:
         if self._sock is not None:
             return
         deadline = time.monotonic() + self.start_timeout
@@ -147,7 +157,8 @@ class SaverClient:
         reader.start()
         self._reader = reader  # started before it is seen: close() may run meanwhile (at exit) and join it
         try:
-            reply = self.request({"op": "hello", "rank": self.rank, "pid": os.getpid()}).result(self.start_timeout)
+            reply = self.request({**self.hello, "op": "hello", "rank": self.rank,
+                                  "pid": os.getpid()}).result(self.start_timeout)
         except Exception:
             self._disconnect()
             return False

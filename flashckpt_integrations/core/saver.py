@@ -14,7 +14,8 @@ been connected for ``--idle-exit`` seconds. The snapshots live in /dev/shm, not 
 a restarted rank that finds no saver starts a new one and still restores from memory.
 
 Wire protocol: one JSON object per line. Requests carry ``op`` ("hello", "persist", "attach",
-"close", "ping") and an ``id``; the saver answers each with ``{"id": ..., "ok": bool, "error": str}``.
+"close", "ping", and the ``replica_*`` ops of :mod:`.replication`) and an ``id``; the saver
+answers each with ``{"id": ..., "ok": bool, "error": str}``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from .layout import (
     write_rank_failed,
 )
 from .protocol import LOCK_NAME, LOG_NAME, SLOTS_FILE, SOCKET_NAME, SPAWN_LOCK_NAME
+from .replication import Replication
 from .retention import RetentionPolicy
 from .shm_buffer import Slot, SlotState
 from .storage import ENTRY_POINT_GROUP, Storage, remove_stale_temporaries, storage_from_url
@@ -102,6 +104,8 @@ class Saver:
         self.recovered: set[tuple[str, int]] = set()
         self.storage_lock = threading.Lock()
         self.started = time.monotonic()
+        self.replication = Replication(run_dir, self._storage)
+        """Peer replicas of the ranks' snapshots (off until a rank's hello turns it on)."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -119,6 +123,7 @@ class Saver:
         logger.info("saver %d exiting", os.getpid())
         for executor in [*self.executors.values(), self.commit_executor]:
             executor.shutdown(wait=True)
+        self.replication.close(remove=bool(self.registered) and self.registered <= self.closed_clean)
 
     def _should_exit(self) -> bool:
         with self.pending_lock:
@@ -242,6 +247,8 @@ class Saver:
             conn.rank = int(request["rank"])
             self.registered.add(conn.rank)
             self.closed_clean.discard(conn.rank)
+            if request.get("replication"):
+                self.replication.configure(request["replication"])
             conn.send({"id": rid, "ok": True, "pid": os.getpid()})
         elif op == "ping":
             conn.send({"id": rid, "ok": True, "pid": os.getpid()})
@@ -252,6 +259,8 @@ class Saver:
         elif op == "persist":
             self.unclaimed.discard((request.get("slot"), int(request.get("seq", -1))))
             self._submit(conn, request)
+        elif op.startswith("replica_"):
+            self.replication.handle(conn, request)
         elif op == "attach":
             # Map (and pre-fault) a new or grown slot now, so its first persist does not pay it.
             self._executor(int(request["rank"])).submit(self._attach_quietly, request["slot"])

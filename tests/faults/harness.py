@@ -44,8 +44,9 @@ from tests.helpers import assert_same
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 SAVER_POINTS = ("saver.write", "saver.commit", "retention.delete")
-CAMPAIGN_POINTS = tuple(p for p in POINTS if p != "saver.supersede")
-"""The points a plain job reaches (a superseding save needs a second attempt: tests/unit/test_lineage.py)."""
+CAMPAIGN_POINTS = tuple(p for p in POINTS if p not in ("saver.supersede", "replica.receive"))
+"""The points a plain job reaches (a superseding save needs a second attempt: tests/unit/test_lineage.py;
+a replica copy needs replication on: tests/distributed/test_replication_savers.py)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,338 @@
+"""Replica slots: the copies of other nodes' snapshots that a saver keeps in its own shared memory.
+
+A replica slot is a slot (:mod:`.shm_buffer`): the same header, step, seq, metadata and metadata
+checksum as the rank's own slot it copies, byte for byte from offset ``HEADER_SIZE`` to the end of
+the metadata. Its persist fields are zero (a replica is never persisted from), and a replica record
+in the header's spare bytes (offset 256) carries a generation (which of a rank's two replicas is
+newer), the crc32 of the copied bytes, and the node the copy came from. Names::
+
+    <shm dir>/flashckpt-<uid>-<job>.replica-r<rank>-<k>      k = 0, 1
+
+Two per rank, written alternately: a copy goes into the slot without the newest complete replica,
+in the writing state, and is sealed only once every byte arrived and the sender said that its
+source did not change while it was read (see :func:`send_range`); so a receiver killed mid-copy
+leaves the previous replica loadable and the torn one in the writing state, never loaded.
+
+Call order (the saver's :class:`~.replication.Replication`): :meth:`ReplicaStore.begin` (choose and
+size the slot, or :class:`ReplicaSkipped` with the reason) -> :func:`recv_range` ->
+:meth:`ReplicaStore.publish` or :meth:`ReplicaStore.abandon`; for restores :meth:`ReplicaStore.acquire`
+-> :func:`send_range` -> :meth:`ReplicaStore.release`. No torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import re
+import struct
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import knobs
+from .._utils.faults import fault_point
+from ..errors import CorruptCheckpointError, SharedMemoryError
+from .shm_buffer import GROWTH, HEADER_SIZE, Slot, SlotHeader, SlotState, shm_free_bytes
+
+logger = logging.getLogger(__name__)
+
+REPLICAS_PER_RANK = 2
+CHUNK = 1 << 20
+"""Bytes per send/receive call (and per checksum update)."""
+_RECORD_OFFSET = 256
+_RECORD = struct.Struct("<8sqIi")
+_RECORD_MAGIC = b"FCREPLIC"
+_NAME_RE = re.compile(r"\.replica-r(\d+)-(\d+)$")
+
+
+class ReplicaSkipped(Exception):
+    """A replica was not taken (not enough shared memory, already held, busy): the reason."""
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """One complete, checksum-verified replica."""
+
+    rank: int
+    index: int
+    path: str
+    step: int
+    seq: int
+    generation: int
+    data_crc: int
+    from_node: int
+    nbytes: int
+    world_size: int | None
+    tag: dict[str, Any] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "seq": self.seq, "generation": self.generation,
+                "from_node": self.from_node, "bytes": self.nbytes, "world_size": self.world_size, "tag": self.tag}
+
+
+def replica_path(shm_dir: str, job: str, rank: int, index: int) -> str:
+    return os.path.join(shm_dir, f"flashckpt-{os.getuid()}-{job}.replica-r{rank}-{index}")
+
+
+def replica_paths(shm_dir: str, job: str) -> dict[int, list[str]]:
+    """The replica slot files of ``job`` in ``shm_dir``, by rank."""
+    found: dict[int, list[str]] = {}
+    for path in sorted(glob.glob(os.path.join(shm_dir, f"flashckpt-{os.getuid()}-{job}.replica-r*-*"))):
+        match = _NAME_RE.search(path)
+        if match:
+            found.setdefault(int(match.group(1)), []).append(path)
+    return found
+
+
+def read_record(slot: Slot) -> tuple[int, int, int] | None:
+    """``(generation, data crc, from node)`` of a replica slot, or None for none."""
+    magic, generation, crc, node = _RECORD.unpack(slot.read_bytes(_RECORD_OFFSET, _RECORD.size))
+    return (generation, crc, node) if magic == _RECORD_MAGIC else None
+
+
+def describe(slot: Slot, rank: int, index: int) -> ReplicaInfo | None:
+    """The complete replica in ``slot``, or None (empty, being written, or not verifiable)."""
+    try:
+        header = slot.read_header()
+        record = read_record(slot)
+        if header is None or header.state is not SlotState.COMPLETE or record is None:
+            return None
+        meta = slot.read_metadata(header)
+    except CorruptCheckpointError as exc:
+        logger.warning("ignoring replica slot %s: %s", slot.path, exc)
+        return None
+    return ReplicaInfo(rank, index, slot.path, header.step, header.seq, record[0], record[1], record[2],
+                       header.meta_offset + header.meta_len, meta.get("world_size"), meta.get("tag"))
+
+
+def list_replicas(shm_dir: str, job: str) -> list[ReplicaInfo]:
+    """Every complete replica of ``job`` in ``shm_dir`` (for ``flashckpt ls``: reads, never writes)."""
+    found = []
+    for rank, paths in replica_paths(shm_dir, job).items():
+        for path in paths:
+            index = int(_NAME_RE.search(path).group(2))
+            try:
+                slot = Slot.attach(path)
+            except SharedMemoryError:
+                continue
+            if slot is None:
+                continue
+            try:
+                info = describe(slot, rank, index)
+            finally:
+                slot.close()
+            if info is not None:
+                found.append(info)
+    return found
+
+
+class ReplicaStore:
+    """The saver's replica slots of one job (thread-safe: every receiving and serving thread)."""
+
+    def __init__(self, shm_dir: str, job: str) -> None:
+        self.shm_dir = shm_dir
+        self.job = job
+        self._lock = threading.Lock()
+        self._slots: dict[str, Slot] = {}
+        self._readers: dict[str, int] = {}
+        self._writing: set[int] = set()
+
+    def _slot(self, path: str) -> Slot | None:
+        slot = self._slots.get(path)
+        if slot is not None and (slot.replaced() or slot.file_size() != slot.size):
+            slot.close()
+            del self._slots[path]
+            slot = None
+        if slot is None:
+            slot = Slot.attach(path)
+            if slot is not None:
+                self._slots[path] = slot
+        return slot
+
+    def _infos(self, rank: int) -> list[ReplicaInfo | None]:
+        infos = []
+        for index in range(REPLICAS_PER_RANK):
+            slot = self._slot(replica_path(self.shm_dir, self.job, rank, index))
+            infos.append(describe(slot, rank, index) if slot is not None else None)
+        return infos
+
+    def inventory(self) -> list[dict[str, Any]]:
+        """Every complete replica held, as JSON-ready dicts."""
+        with self._lock:
+            ranks = sorted(replica_paths(self.shm_dir, self.job))
+            return [info.to_dict() for rank in ranks for info in self._infos(rank) if info is not None]
+
+    def begin(self, rank: int, step: int, seq: int, meta_crc: int, nbytes: int) -> Slot:
+        """The slot to copy rank ``rank``'s snapshot into, sized and marked as being written."""
+        with self._lock:
+            if rank in self._writing:
+                raise ReplicaSkipped(f"a replica of rank {rank} is being received already")
+            infos = self._infos(rank)
+            for info in infos:
+                if info is not None and (info.step, info.seq) == (step, seq):
+                    raise ReplicaSkipped("held")
+            complete = [i for i in infos if i is not None]
+            newest = max(complete, key=lambda i: i.generation).index if complete else None
+            order = [k for k in range(REPLICAS_PER_RANK) if k != newest] or [0]
+            path = replica_path(self.shm_dir, self.job, rank, order[0])
+            if self._readers.get(path):
+                raise ReplicaSkipped(f"the older replica of rank {rank} is being read by a restore")
+            slot = self._sized(path, nbytes)
+            slot.begin_write(step, seq)
+            slot.mark_persist_requested(0)
+            slot.mark_persist_done(0)
+            slot.write_blob(_RECORD_OFFSET, b"\0" * _RECORD.size)
+            self._writing.add(rank)
+            return slot
+
+    def _sized(self, path: str, nbytes: int) -> Slot:
+        slot = self._slot(path)
+        have = slot.size if slot is not None else 0
+        grow = max(0, int(nbytes * GROWTH) - have) if nbytes > have else 0
+        free = shm_free_bytes(self.shm_dir)
+        reserve = shm_reserve(self.shm_dir)
+        if grow and free - grow < reserve:
+            raise ReplicaSkipped(
+                f"not enough shared memory in {self.shm_dir}: the replica needs {grow} more bytes, {free} are "
+                f"free and {reserve} stay reserved (${knobs.REPLICA_SHM_RESERVE}); give /dev/shm more room or "
+                "lower the replica count")
+        try:
+            if slot is None:
+                slot = Slot.create_or_open(path, nbytes)
+                self._slots[path] = slot
+            else:
+                slot.ensure_size(nbytes)
+        except SharedMemoryError as exc:
+            raise ReplicaSkipped(str(exc)) from exc
+        return slot
+
+    def publish(self, slot: Slot, rank: int, head: dict[str, Any], data_crc: int, from_node: int) -> None:
+        """Seal a fully received replica once its metadata checks out (else it is abandoned)."""
+        try:
+            meta = seal_copy(slot, head)
+            if meta.get("rank") != rank or meta.get("job") != self.job:
+                raise CorruptCheckpointError(f"the copy names rank {meta.get('rank')} of job {meta.get('job')}, "
+                                             f"expected rank {rank} of job {self.job}")
+            with self._lock:
+                generation = max((i.generation for i in self._infos(rank) if i is not None), default=0) + 1
+                slot.write_blob(_RECORD_OFFSET, _RECORD.pack(_RECORD_MAGIC, generation, data_crc, from_node))
+                slot.seal()
+        except BaseException:
+            self.abandon(slot, rank)
+            raise
+        with self._lock:
+            self._writing.discard(rank)
+
+    def abandon(self, slot: Slot, rank: int) -> None:
+        slot.invalidate()
+        with self._lock:
+            self._writing.discard(rank)
+
+    def acquire(self, rank: int, step: int, seq: int) -> Slot | None:
+        """The complete replica of ``(rank, step, seq)``, held against being overwritten until released."""
+        with self._lock:
+            for info in self._infos(rank):
+                if info is not None and (info.step, info.seq) == (step, seq):
+                    self._readers[info.path] = self._readers.get(info.path, 0) + 1
+                    return self._slots[info.path]
+        return None
+
+    def release(self, slot: Slot) -> None:
+        with self._lock:
+            self._readers[slot.path] -= 1
+
+    def remove_all(self) -> None:
+        """Unlink every replica slot of the job (the job ended cleanly)."""
+        with self._lock:
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+            for paths in replica_paths(self.shm_dir, self.job).values():
+                for path in paths:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+
+
+def shm_reserve(shm_dir: str) -> int:
+    """Bytes of ``shm_dir`` that replicas leave free (``$FLASHCKPT_REPLICA_SHM_RESERVE``, else 10%)."""
+    explicit = knobs.get(knobs.REPLICA_SHM_RESERVE)
+    if explicit:
+        return int(float(explicit))
+    st = os.statvfs(shm_dir)
+    return st.f_blocks * st.f_frsize // 10
+
+
+def head_of(header: SlotHeader) -> dict[str, Any]:
+    """What a receiver needs to know before the bytes of a slot arrive."""
+    return {"step": header.step, "seq": header.seq, "meta_offset": header.meta_offset,
+            "meta_len": header.meta_len, "meta_crc": header.meta_crc,
+            "nbytes": header.meta_offset + header.meta_len}
+
+
+def same_snapshot(a: SlotHeader | None, b: SlotHeader | None) -> bool:
+    """The two headers describe the same complete snapshot (persist fields aside)."""
+    return (a is not None and b is not None and a.state is SlotState.COMPLETE and b.state is SlotState.COMPLETE
+            and (a.step, a.seq, a.meta_offset, a.meta_len, a.meta_crc)
+            == (b.step, b.seq, b.meta_offset, b.meta_len, b.meta_crc))
+
+
+def check_head(head: dict[str, Any], limit: int = 1 << 44) -> tuple[int, int, int]:
+    """``(step, seq, nbytes)`` of a peer's announced copy, or ``ValueError`` when it makes no sense."""
+    step, seq, offset, length, nbytes = (int(head[k]) for k in ("step", "seq", "meta_offset", "meta_len", "nbytes"))
+    if offset < HEADER_SIZE or length <= 0 or offset + length != nbytes or nbytes > limit:
+        raise ValueError(f"a copy of {nbytes} bytes with metadata at [{offset}, {offset + length}) makes no sense")
+    return step, seq, nbytes
+
+
+def send_range(sock: Any, slot: Slot, start: int, end: int) -> int:
+    """Stream ``slot[start:end]`` to ``sock`` straight from the mapping; return its crc32.
+
+    The caller reads the slot's header before and after (a seqlock): the bytes count only if
+    both say the same complete snapshot, so a save that reuses the slot meanwhile is detected and
+    the copy discarded; the slot is never locked and a save never waits for a copy.
+    """
+    crc = 0
+    offset = start
+    while offset < end:
+        n = min(CHUNK, end - offset)
+        with slot.memoryview(offset, n) as view:
+            crc = zlib.crc32(view, crc)
+            sock.sendall(view)
+        offset += n
+    return crc
+
+
+def recv_range(recv_into: Callable[[memoryview], None], slot: Slot, start: int, end: int) -> int:
+    """Receive ``end - start`` bytes straight into ``slot[start:end]``; return their crc32."""
+    crc = 0
+    offset = start
+    while offset < end:
+        n = min(CHUNK, end - offset)
+        with slot.memoryview(offset, n) as view:
+            recv_into(view)
+            crc = zlib.crc32(view, crc)
+        if offset == start:
+            fault_point("replica.receive")  # part of the copy is in place
+        offset += n
+    return crc
+
+
+def seal_copy(slot: Slot, head: dict[str, Any]) -> dict[str, Any]:
+    """Give a fully received copy its header (still writing) and check its metadata; returns it."""
+    step, seq = int(head["step"]), int(head["seq"])
+    offset, length = int(head["meta_offset"]), int(head["meta_len"])
+    raw = slot.read_bytes(offset, length)
+    if zlib.crc32(raw) != int(head["meta_crc"]):
+        raise CorruptCheckpointError(f"the copy of step {step} has a metadata checksum mismatch")
+    slot.write_metadata(step, seq, offset, raw)
+    return slot.read_metadata(slot.read_header())
