@@ -42,6 +42,11 @@ DeepSpeed (``TrainingArguments(deepspeed=...)``): the engine's files (``global_s
 ``zero_to_fp32.py``) come from the flash DeepSpeed engine (:mod:`.deepspeed`) into the same
 ``checkpoint-N/`` as the Trainer's own, committed together; a resume goes through that engine.
 
+Trainer subclasses (TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``, a user's own): list this class
+first, ``class T(FlashCkptTrainer, SFTTrainer)``. What their ``_save_checkpoint`` writes into the
+checkpoint folder is taken into every snapshot and committed with it; their loading methods run on
+every resume (:mod:`._hf_subclass`).
+
 Configurations this adapter does not handle yet (FSDP on XLA or with ``LOCAL_STATE_DICT``,
 XLA, SageMaker MP, PEFT adapters, quantized models, tensor parallelism from ``from_pretrained``,
 hyperparameter search, ``push_to_hub``, ``save_on_each_node``) fall back to the stock ``Trainer``
