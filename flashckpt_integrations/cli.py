@@ -12,6 +12,7 @@ means done, 1 a negative answer or a failed persist, 2 bad usage or an unusable 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib.util
 import json
@@ -25,9 +26,11 @@ from typing import IO, Any
 
 from . import knobs
 from ._utils.help import HelpFormatter
+from .core import peers, replication
 from .core.client import job_id_for, job_key, saver_running, user_run_root
 from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
 from .core.protocol import LOG_NAME
+from .core.replica_slots import list_replicas
 from .core.rescue import RescueStatus, job_slots, persist_newest
 from .core.shm_buffer import Slot
 from .core.storage import ENTRY_POINT_GROUP, Storage, storage_from_url
@@ -162,6 +165,57 @@ def _savers(url: str, job_id: str | None) -> list[dict[str, Any]]:
             for run_dir in _run_dirs(url, job_id)]
 
 
+def _replicas(url: str, job_id: str | None, shm_dir: str | None) -> list[dict[str, Any]]:
+    """The replica slots of the job in this host's shared memory (copies of other nodes' ranks)."""
+    shm = shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm")
+    return [r.to_dict() for r in list_replicas(shm, job_key(job_id_for(url, job_id)))]
+
+
+def _nodes(storage: Storage, url: str, job_id: str | None) -> list[dict[str, Any]]:
+    """What each node's saver holds, local or replica, asked over the job's authenticated connections
+    (empty when the job does not replicate)."""
+    job = job_key(job_id_for(url, job_id))
+    if not storage.list(f"{peers.PEERS_DIR}/{job}"):
+        return []
+    try:
+        secret = peers.job_secret(storage, create=False)
+    except FlashCkptError as exc:
+        return [{"node_rank": None, "state": "refused", "error": str(exc), "local": [], "replicas": []}]
+    if secret is None:
+        return []
+    return replication.survey(storage, job, secret)
+
+
+def _replication_status(run_dirs: list[str]) -> list[dict[str, Any]]:
+    found = []
+    for run_dir in run_dirs:
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(run_dir, replication.STATUS_FILE)) as f:
+                found.append({"run_dir": run_dir, **json.load(f)})
+    return found
+
+
+def _print_nodes(nodes: list[dict[str, Any]], status: list[dict[str, Any]]) -> None:
+    for node in nodes:
+        where = (node.get("record") or {}).get("host", "?"), (node.get("record") or {}).get("port", "?")
+        state = node["state"] if node["state"] == "ok" else f"{node['state']}: {node.get('error')}"
+        print(f"  node {node['node_rank']}  {where[0]}:{where[1]}  {state}")
+        for kind in ("local", "replicas"):
+            by_rank: dict[int, list[dict[str, Any]]] = {}
+            for entry in node[kind]:
+                by_rank.setdefault(entry["rank"], []).append(entry)
+            for rank in sorted(by_rank):
+                steps = ", ".join(str(e["step"]) for e in sorted(by_rank[rank], key=lambda e: e["step"]))
+                origin = {e.get("from_node") for e in by_rank[rank]} - {None}
+                tail = f"  (from node {', '.join(map(str, sorted(origin)))})" if origin else ""
+                print(f"    {'local' if kind == 'local' else 'replica':<7} rank {rank:>4}  steps {steps}{tail}")
+    for saver in status:
+        for rank, sent in sorted(saver.get("sent", {}).items(), key=lambda item: int(item[0])):
+            for node, outcome in sorted(sent.items()):
+                told = "ok" if outcome.get("ok") else f"failed: {outcome.get('reason')}"
+                print(f"  copy of rank {rank:>4} step {outcome['step']} to node {node}: {told}")
+
+
 # --- commands -----------------------------------------------------------------------------------
 
 
@@ -173,9 +227,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     in_flight = [s for s in marked_steps(storage) if s not in committed and failure_record(storage, s) is None]
     memory = _memory(url, args.job_id, args.shm_dir)
     savers = _savers(url, args.job_id)
+    replicas, nodes = _replicas(url, args.job_id, args.shm_dir), _nodes(storage, url, args.job_id)
+    status = _replication_status([s["run_dir"] for s in savers])
     if args.json:
         print(json.dumps({"dir": url, "committed": committed, "uncommitted": in_flight, "memory": memory,
-                          "savers": savers}, indent=1))
+                          "savers": savers, "replicas": replicas, "nodes": nodes, "replication": status}, indent=1))
         return EXIT_OK
     print(f"{url}")
     print(f"  committed steps: {', '.join(map(str, committed)) or '-'}")
@@ -185,8 +241,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         step = row["step"] if row["state"] == "complete" else "-"
         print(f"  memory rank {row['rank']:>4}  {row['slot']}  {_format_size(row['bytes']):>10}  "
               f"{row['state']:>8}  step {step}")
-    if not memory:
+    for row in replicas:
+        print(f"  replica rank {row['rank']:>3}  step {row['step']}  {_format_size(row['bytes']):>10}  "
+              f"from node {row['from_node']}")
+    if not memory and not replicas:
         print("  memory:          none on this host")
+    if nodes:
+        print("  nodes (what each node's saver holds for which ranks):")
+    _print_nodes(nodes, status)
     for saver in savers:
         log = saver["log"] if os.path.exists(saver["log"]) else f"{saver['log']} (not written)"
         print(f"  saver:           {'running' if saver['running'] else 'not running'}")

@@ -63,6 +63,12 @@ class CheckpointerConfig:
     """Load non-tensor values with torch's ``weights_only`` unpickler (no arbitrary code)."""
     pin_memory: bool = True
     """Page-lock slots for device-to-host copies when an accelerator is used."""
+    replicas: int = 0
+    """Peer nodes that keep a copy of each node's newest memory snapshots (0, 1 or 2), so that a
+    replacement node restores from a peer's memory instead of storage. Each replica costs the
+    peer two slots of shared memory per rank it holds; copies are made by the savers, in the
+    background, over connections authenticated with a per-job secret. ``$FLASHCKPT_REPLICAS``
+    overrides it. Default: off."""
 
     def __post_init__(self) -> None:
         try:
@@ -74,6 +80,9 @@ class CheckpointerConfig:
             self.layout = Layout(**self.layout)
         if not isinstance(self.retention, RetentionPolicy):
             self.retention = RetentionPolicy(**self.retention)
+        if self.replicas not in (0, 1, 2):
+            raise ValueError(f"replicas={self.replicas!r} must be 0 (off), 1 or 2 (peer nodes holding a copy of "
+                             "each node's memory snapshots)")
         if self.slots not in (1, 2):
             raise ValueError(f"slots={self.slots!r} must be 1 or 2 (shared-memory copies of the state per rank)")
         for name in ("busy_timeout_s", "commit_timeout_s", "saver_start_timeout_s"):

@@ -40,7 +40,7 @@ from ..errors import (
     SaverProcessError,
     SharedMemoryError,
 )
-from . import collectives, direct, lineage
+from . import collectives, direct, lineage, replica_restore
 from . import commit as commit_protocol
 from .client import SaverClient, job_id_for, job_key, private_dir, run_dir_for
 from .layout import Layout, read_json
@@ -90,7 +90,9 @@ class Checkpointer(LoadPath):
         self.slot_paths = [os.path.join(shm_dir, f"{prefix}-{k}") for k in range(self.config.slots)]
         self._slots: list[Slot | None] = [None] * self.config.slots
         self._persisting: list[Future | None] = [None] * self.config.slots
-        self._client = SaverClient(self.run_dir, self.rank, start_timeout=self.config.saver_start_timeout_s)
+        self._replicas = replica_restore.ReplicaHook(self)
+        self._client = SaverClient(self.run_dir, self.rank, start_timeout=self.config.saver_start_timeout_s,
+                                   hello=self._replicas.hello())
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-prefault")
         self._snapshot: Future | None = None
@@ -365,6 +367,7 @@ class Checkpointer(LoadPath):
             if durable is not None and not stream:
                 durable.set_result({"ok": False, "error": error})
             return error
+        self._replicas.sealed(slot.path, step, seq)  # peers copy it in the background
         if durable is not None and not stream:
             self._persisting[index] = durable
             self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
@@ -600,6 +603,7 @@ class Checkpointer(LoadPath):
         self._background.shutdown(wait=True, cancel_futures=True)
         self._copier.shutdown(wait=True)
         self._requester.shutdown(wait=True)
+        self._replicas.close()
         self._client.close(clean=clean)
         for slot in self._slots:
             if slot is not None:

@@ -133,10 +133,14 @@ class LoadPath:
         memory = self._memory_snapshots() if prefer_memory else {}
         records = self._commit_records()
         committed = sorted(records)
+        if prefer_memory:
+            self._replicas.prepare_load()
         views = collectives.all_gather_object([sorted(memory), committed[-1] if committed else None],
                                               self.world_size, self.process_group)
         in_every_rank = set.intersection(*(set(v[0]) for v in views)) if views else set()
         newest_commit = views[0][1]
+        if prefer_memory:  # a rank whose node lost its memory may fetch the step from a peer's replica
+            memory, in_every_rank = self._replicas.resolve(memory, views, in_every_rank, newest_commit, step)
         if step is None:
             eligible = [s for s in in_every_rank if newest_commit is None or s >= newest_commit]
             chosen_memory = max(eligible) if eligible else None
@@ -168,6 +172,7 @@ class LoadPath:
                 for f in meta["files"]
             }
             source = "memory"
+            self._replicas.restored(slot)
         else:
             files = self._load_from_storage(step, weights_only, map_location)
             source = "storage"

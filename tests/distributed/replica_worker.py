@@ -1,0 +1,116 @@
+"""A data-parallel training job for the replica tests, run under torchrun.
+
+Every rank trains the same tiny model on batches of its own; the gradients are averaged in rank
+order (all_gather, then summed rank 0 first), so every rank holds the same parameters and a run is
+reproducible bit for bit: :func:`reference` computes it in one process. It resumes with ``load()``,
+snapshots every step into memory and persists every ``--persist-every`` steps. With ``--pause-at``
+it stops after that step's save, touches ``<out>/paused-<rank>`` and waits to be killed. Each rank
+writes ``<out>/rank-<rank>.json`` (its load, its saves) and, at the end, ``<out>/final-<rank>.pt``.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashckpt_integrations import Checkpointer
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def rank_gradients(model: torch.nn.Module, step: int, rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def apply_mean(model: torch.nn.Module, opt: torch.optim.Optimizer, per_rank: list[list[torch.Tensor]]) -> None:
+    for i, p in enumerate(model.parameters()):
+        total = per_rank[0][i].clone()
+        for grads in per_rank[1:]:
+            total += grads[i]
+        p.grad = total / len(per_rank)
+    opt.step()
+
+
+def reference(steps: int, world: int) -> dict[str, torch.Tensor]:
+    """The parameters after ``steps`` uninterrupted steps of a ``world``-rank job."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, opt = make_model()
+        for step in range(1, steps + 1):
+            apply_mean(model, opt, [rank_gradients(model, step, r) for r in range(world)])
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--persist-every", type=int, default=5)
+    parser.add_argument("--pause-at", type=int, default=0)
+    parser.add_argument("--replicas", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = make_model()
+    ck = Checkpointer(args.ckpt, replicas=args.replicas)
+    record = {"rank": rank, "pid": os.getpid(), "run_dir": ck.run_dir, "saves": []}
+    path = os.path.join(args.out, f"rank-{rank}.json")
+
+    def flush() -> None:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+
+    started = time.perf_counter()
+    loaded = ck.load()
+    start = 0
+    if loaded is not None:
+        model.load_state_dict(loaded.state["model"])
+        opt.load_state_dict(loaded.state["optim"])
+        start = loaded.state["step"]
+    record["load"] = {"step": loaded and loaded.step, "source": loaded and loaded.source,
+                      "fetched": ck._replicas.fetched, "seconds": time.perf_counter() - started}
+    flush()
+    for step in range(start + 1, args.steps + 1):
+        grads = rank_gradients(model, step, rank)
+        gathered = [[torch.empty_like(g) for g in grads] for _ in range(world)]
+        for i, g in enumerate(grads):
+            dist.all_gather([gathered[r][i] for r in range(world)], g)
+        apply_mean(model, opt, gathered)
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+        result = ck.save(step, state, persist=step % args.persist_every == 0)
+        record["saves"].append({"step": step, "status": result.status.value, "blocking_s": result.blocking_s})
+        if step == args.pause_at:
+            flush()
+            open(os.path.join(args.out, f"paused-{rank}"), "w").close()
+            while True:
+                time.sleep(1)
+    outcome = ck.wait()
+    record["committed"] = outcome is not None and outcome.committed
+    torch.save(model.state_dict(), os.path.join(args.out, f"final-{rank}.pt"))
+    ck.close()
+    flush()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

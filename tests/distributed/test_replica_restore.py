@@ -1,0 +1,134 @@
+"""A lost node's ranks resume from a peer's memory: two nodes simulated on loopback (two torchrun
+agents with their own node id, shared-memory directory and saver; one rank on node 0, two on node
+1), memory snapshots every step, a persist every 5. Node 1 is killed whole (ranks, saver, agent)
+and its shared memory deleted, node 0's processes are killed too, the committed step directories
+are moved away; the relaunched job resumes every rank from memory at the newest step (node 1's
+ranks from node 0's replicas) and ends with the parameters of an uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from flashckpt_integrations import cli
+from flashckpt_integrations.core.client import job_key, private_dir, run_dir_for
+from flashckpt_integrations.core.replica_slots import list_replicas
+from tests.distributed.launch import HERE, env, free_port, torchrun_cmd
+from tests.distributed.replica_worker import reference
+from tests.helpers import kill_savers, saver_pids
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
+
+NPROC = (1, 2)
+WORLD = sum(NPROC)
+STEPS, PAUSE = 20, 12
+
+
+def launch(ckpt, out, shm, *extra: str) -> list[subprocess.Popen]:
+    os.makedirs(out, exist_ok=True)
+    port = free_port()
+    procs = []
+    for node, nproc in enumerate(NPROC):
+        cmd = torchrun_cmd(nproc, port, nnodes=2, node_rank=node) + [
+            os.path.join(HERE, "replica_worker.py"), "--ckpt", str(ckpt), "--out", str(out), "--steps", str(STEPS),
+            *extra]
+        node_env = env(FLASHCKPT_NODE_ID=f"node{node}", FLASHCKPT_SHM_DIR=shm[node], FLASHCKPT_SAVER_KEEP_RUN_DIR="1")
+        procs.append(subprocess.Popen(cmd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    return procs
+
+
+def ranks(out) -> list[dict]:
+    result = []
+    for rank in range(WORLD):
+        with open(os.path.join(out, f"rank-{rank}.json")) as f:
+            result.append(json.load(f))
+    return result
+
+
+def wait_for(condition, what: str, procs, timeout: float = 150.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for proc in procs:
+            if proc.poll() is not None:
+                raise AssertionError(f"a node exited while waiting for {what}: {proc.communicate()[0][-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def holds(shm: str, job: str) -> dict[int, set[int]]:
+    found: dict[int, set[int]] = {}
+    for replica in list_replicas(shm, job):
+        found.setdefault(replica.rank, set()).add(replica.step)
+    return found
+
+
+def kill_node(node_ranks: list[dict], proc: subprocess.Popen) -> None:
+    for rec in node_ranks:
+        os.kill(rec["pid"], signal.SIGKILL)  # workers run in sessions of their own
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    kill_savers(node_ranks[0]["run_dir"])
+
+
+def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir, capsys):
+    ckpt, job = tmp_path / "ckpt", job_key(str(tmp_path / "ckpt"))
+    shm = [private_dir(os.path.join(private_shm_dir, f"node{n}")) for n in (0, 1)]
+    run_dirs = [run_dir_for(job, job_key(f"node{n}")[:8]) for n in (0, 1)]
+    try:
+        first = launch(ckpt, tmp_path / "run1", shm, "--pause-at", str(PAUSE))
+        wait_for(lambda: all(os.path.exists(tmp_path / "run1" / f"paused-{r}") for r in range(WORLD)), "step 12",
+                 first)
+        wait_for(lambda: holds(shm[0], job).get(1, set()) >= {PAUSE} and holds(shm[0], job).get(2, set()) >= {PAUSE}
+                 and PAUSE in holds(shm[1], job).get(0, set()), "the replicas of step 12", first)
+        assert set(holds(shm[0], job)) == {1, 2}, "node 0 holds node 1's ranks (the newest copies: some are skipped)"
+        assert set(holds(shm[1], job)) == {0}, "node 1 holds node 0's rank"
+
+        capsys.readouterr()
+        assert cli.main(["ls", str(ckpt), "--shm-dir", shm[0]]) == 0
+        listing = capsys.readouterr().out
+        assert "node 0" in listing and "node 1" in listing, listing
+        assert re.search(rf"replica rank    1  steps (\d+, )?{PAUSE}  \(from node 1\)", listing), listing
+        assert re.search(rf"local   rank    0  steps (\d+, )?{PAUSE}\n", listing), listing
+
+        recs = ranks(tmp_path / "run1")
+        kill_node([recs[1], recs[2]], first[1])  # node 1 goes down whole,
+        shutil.rmtree(shm[1])  # and its replacement has none of its memory
+        kill_node([recs[0]], first[0])  # the job restarts: node 0's processes go too (its memory stays)
+        for run_dir in run_dirs:
+            assert not saver_pids(run_dir)
+        private_dir(shm[1])
+        for step in (5, 10):  # were storage read, the relaunch would fail
+            os.rename(ckpt / f"step-{step}", tmp_path / f"moved-step-{step}")
+
+        second = launch(ckpt, tmp_path / "run2", shm)
+        for node, proc in enumerate(second):
+            output, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"node {node}:\n{output[-4000:]}"
+        recs = ranks(tmp_path / "run2")
+        for rec in recs:
+            assert rec["load"]["step"] == PAUSE and rec["load"]["source"] == "memory", rec["load"]
+            assert rec["committed"] is True
+        assert recs[0]["load"]["fetched"] is None, "node 0's rank restores from its own memory"
+        for rec in recs[1:]:
+            assert rec["load"]["fetched"]["from_node"] == 0, rec["load"]
+        expected = reference(STEPS, WORLD)
+        for rank in range(WORLD):
+            final = torch.load(tmp_path / "run2" / f"final-{rank}.pt")
+            for name, value in expected.items():
+                assert torch.equal(final[name], value), f"rank {rank} {name} differs from the uninterrupted run"
+        assert (ckpt / "latest").read_text().strip() == str(STEPS)
+        wait_for(lambda: not any(saver_pids(d) for d in run_dirs), "the savers to exit after the job", [])
+        assert os.listdir(shm[0]) == [] and os.listdir(shm[1]) == [], "a clean end removes slots and replicas"
+    finally:
+        for run_dir in run_dirs:
+            kill_savers(run_dir)
+            shutil.rmtree(run_dir, ignore_errors=True)
