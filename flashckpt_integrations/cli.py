@@ -30,7 +30,7 @@ from .core import peers, replication
 from .core.client import job_id_for, job_key, saver_running, user_run_root
 from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
 from .core.protocol import LOG_NAME
-from .core.replica_slots import list_replicas
+from .core.replica_slots import list_replicas, replica_paths
 from .core.rescue import RescueStatus, job_slots, persist_newest
 from .core.shm_buffer import Slot
 from .core.storage import ENTRY_POINT_GROUP, Storage, storage_from_url
@@ -288,7 +288,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     url = _url(args.dir)
     removed = 0
-    for _, path in _slots(url, args.job_id, args.shm_dir):
+    shm = args.shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm")
+    replica_files = [p for paths in replica_paths(shm, job_key(job_id_for(url, args.job_id))).values() for p in paths]
+    for path in [path for _, path in _slots(url, args.job_id, args.shm_dir)] + replica_files:
         os.unlink(path)
         removed += 1
     run_dirs = _run_dirs(url, args.job_id)

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from flashckpt_integrations import cli
 from flashckpt_integrations.core import peers
 from flashckpt_integrations.core.client import SaverClient, job_key, private_dir, run_dir_for
 from flashckpt_integrations.core.protocol import LOG_NAME, SOCKET_NAME
@@ -166,7 +167,11 @@ def test_snapshots_are_copied_fetched_back_and_never_torn(job, tmp_path):
 
     node1.client.close(clean=False)
     node1.env = {}
-    node1.start()  # the replacement saver: node 0 copies its newest snapshot again
+    node1.start()  # a new saver on node 1: the previous replica is served, node 0 copies step 3 again
+    previous = os.path.join(private_dir(str(tmp_path / "replacement")), "previous")
+    holder = node1.ask("replica_inventory", rank=0)["replicas"][0]["holder"]
+    assert node1.ask("replica_fetch", rank=0, step=2, seq=2, holder=holder, slot=previous)["ok"]
+    assert used_bytes(previous) == used_bytes(source.replace("-r0-1", "-r0-0")), "step 2 loads, byte for byte"
     wait_for(lambda: held(node1, 0) == {2: 2, 3: 3}, "the newest snapshot copied to node 1's new saver")
     assert "could not copy rank 0 step 3 to node 1" in node0.log()
 
@@ -174,7 +179,7 @@ def test_snapshots_are_copied_fetched_back_and_never_torn(job, tmp_path):
     offers = node0.ask("replica_inventory")["replicas"]
     assert sorted((o["step"], o["holder"]["node_rank"]) for o in offers) == [(2, 1), (3, 1)]
     newest = max(offers, key=lambda o: o["step"])
-    target = os.path.join(private_dir(str(tmp_path / "replacement")), "slot")
+    target = os.path.join(str(tmp_path / "replacement"), "slot")
     answer = node0.ask("replica_fetch", step=3, seq=3, holder=newest["holder"], slot=target)
     assert answer["ok"] and answer["from_node"] == 1, answer
     assert used_bytes(target) == used_bytes(source), "the fetched copy is the snapshot of step 3, byte for byte"
@@ -182,6 +187,8 @@ def test_snapshots_are_copied_fetched_back_and_never_torn(job, tmp_path):
     header = fetched.read_header()
     assert (header.persist_req, header.persist_done) == (0, 0), "a restored copy is not persisted again"
     fetched.close()
+    assert cli.main(["clean", node0.ckpt, "--shm-dir", node1.shm]) == 0
+    assert not [n for n in os.listdir(node1.shm) if ".replica-" in n], "flashckpt clean removes replicas too"
 
 
 class _FakePeer:
@@ -252,3 +259,16 @@ def test_strangers_get_nothing_and_are_logged(job, tmp_path):
     time.sleep(0.3)
     assert b"secret state" not in fake.received and b"push" not in fake.received
     assert json.loads(fake.received)["hello"] == peers.PROTOCOL, "only the hello reached it"
+
+
+def test_a_replica_that_would_exhaust_shared_memory_is_skipped_and_reported(job):
+    node0 = job(0, rank=0)
+    node1 = job(1, rank=1, env={"FLASHCKPT_REPLICA_SHM_RESERVE": str(1 << 50)})  # more than any /dev/shm
+    node0.seal(1, 1, os.urandom(10_000))
+    wait_for(lambda: "node 1 skipped the replica of rank 0 step 1: not enough shared memory" in node0.log(),
+             "the skip in node 0's log")
+    with open(os.path.join(node0.run_dir, "replication.json")) as f:
+        outcome = json.load(f)["sent"]["0"]["1"]
+    assert outcome["ok"] is False and "not enough shared memory" in outcome["reason"]
+    assert "is skipped: not enough shared memory" in node1.log()
+    assert held(node1, 0) == {} and not [n for n in os.listdir(node1.shm) if ".replica-" in n]
