@@ -55,6 +55,7 @@ from ..core.client import SaverClient, job_id_for, job_key, run_dir_for
 from ..core.protocol import LOG_NAME
 from ..core.rescue import RescueStatus, in_flight, job_slots, persist_newest
 from ..errors import FlashCkptError, NodeCheckError
+from . import node_failure, topology
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 _OWN_OPTIONS = {  # flag -> takes a value; removed from the argv handed to --auto-config
     "--checkpoint-dir": True, "--job-id": True, "--auto-config": False, "--node-check": False,
     "--node-check-timeout": True, "--node-check-report": True, "--commit-timeout": True, "--drain-timeout": True,
+    "--node-name": True, "--topology-switch": True, "--topology-file": True, "--topology-key": True,
+    "--node-failure-handler": True, "--node-failure-threshold": True,
 }
 
 
@@ -116,8 +119,34 @@ def build_parser() -> argparse.ArgumentParser:
                        "other nodes' files")
     group.add_argument("--drain-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="how long to wait for in-flight persisting before exiting")
+    _add_cluster_options(group)
     parser._action_groups.sort(key=lambda g: g.title != OWN_GROUP)  # stable: then torchrun's, as they were
     return parser
+
+
+def _add_cluster_options(group: argparse._ArgumentGroup) -> None:
+    """Node ranks by switch (topology.py) and faulty nodes leaving the job (node_failure.py)."""
+    group.add_argument("--node-name", default=None, metavar="NAME",
+                       help="this node's name, as the topology file and the Kubernetes API know it (default: "
+                       f"${topology.NODE_NAME_ENV}, else the host name)")
+    group.add_argument("--topology-switch", default=None, metavar="SWITCH",
+                       help="the network switch this node hangs off: node ranks are grouped by switch (switches "
+                       "by name, nodes by name inside), on the c10d rendezvous (default: "
+                       f"${topology.SWITCH_ENV}; without any --topology-* option ranks are torch's)")
+    group.add_argument("--topology-file", default=None, metavar="PATH",
+                       help="a file mapping node names to switches: 'node switch' lines, a JSON object, or a Slurm "
+                       f"topology.conf (default: ${topology.FILE_ENV})")
+    group.add_argument("--topology-key", default=None, metavar="LABEL",
+                       help="the Kubernetes node label that names this node's switch, read from the API (default: "
+                       f"${topology.KEY_ENV})")
+    group.add_argument("--node-failure-handler", default=None, metavar="NAME",
+                       help="what to do with this node when its node check fails or its workers die of SIGBUS (or "
+                       "of what a classifier plugin puts down to the node) --node-failure-threshold times: log, "
+                       "kubernetes (cordon the node), or a plugin's; then the launcher leaves the rendezvous and "
+                       f"exits with {node_failure.NODE_FAILURE_EXIT_CODE} (default: ${node_failure.HANDLER_ENV}, "
+                       "else log)")
+    group.add_argument("--node-failure-threshold", type=int, default=node_failure.DEFAULT_THRESHOLD, metavar="N",
+                       help="worker failures that point at the node before it leaves the job")
 
 
 def _restart_notice(max_restarts: int) -> str:
@@ -349,12 +378,18 @@ def _stderr_tail(path: str, max_lines: int = 60) -> str:
 class FlashElasticAgent(LocalElasticAgent):
     """torch elastic's local agent, with the node's care run around worker starts and failures."""
 
-    def __init__(self, *args: Any, care: NodeCare, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, care: NodeCare, monitor: node_failure.NodeFailureMonitor | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._care = care
+        self._monitor = monitor
+        self.node_failure: node_failure.NodeFailure | None = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._care.before_workers(worker_group.group_rank or 0)
+        order = getattr(worker_group.spec.rdzv_handler, "last_order", None)
+        if order is not None:
+            _say(f"node ranks by switch, {order}")
         return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -363,7 +398,14 @@ class FlashElasticAgent(LocalElasticAgent):
             # Every worker of the node is stopped by now (torch elastic closes them on a failure).
             stderrs = dict(self._pcontext.stderrs) if self._pcontext is not None else {}
             self._care.on_failure(result.failures, stderrs)
-            _say(_after_failure(self._remaining_restarts, worker_group.spec.max_restarts))
+            if self._monitor is not None:
+                self.node_failure = self._monitor.workers_failed(
+                    result.failures, lambda f: _error_text(f, stderrs.get(f.local_rank, "")))
+            if self.node_failure is not None:
+                self._remaining_restarts = 0  # this node leaves the job: see launch()
+                _say(f"{self.node_failure}; this node leaves the job")
+            else:
+                _say(_after_failure(self._remaining_restarts, worker_group.spec.max_restarts))
         return result
 
 
@@ -373,7 +415,8 @@ def _accepted(callable_: Any, values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k in params}
 
 
-def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: NodeCare) -> int:
+def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: NodeCare,
+           monitor: node_failure.NodeFailureMonitor | None = None) -> int:
     """Run the workers under the agent (as ``torch.distributed.launcher.api.launch_agent`` does)."""
     config.run_id = config.run_id or str(uuid.uuid4().int)
     rdzv_parameters = RendezvousParameters(
@@ -387,10 +430,14 @@ def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: Nod
                   rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
                   master_addr=master_addr, master_port=master_port)
     spec = WorkerSpec(**_accepted(WorkerSpec, values))
-    agent = FlashElasticAgent(care=care, **_accepted(LocalElasticAgent, {**values, "spec": spec}))
+    agent = FlashElasticAgent(care=care, monitor=monitor, **_accepted(LocalElasticAgent, {**values, "spec": spec}))
     shutdown_rdzv = True
     try:
         result = agent.run()
+        if agent.node_failure is not None and monitor is not None:
+            shutdown_rdzv = False  # closing it would stop the other nodes too
+            node_failure.leave_rendezvous(spec.rdzv_handler)
+            return _report_node_failure(monitor, agent.node_failure)
         return 1 if result.is_failed() else 0
     except SignalException as exc:  # the agent has stopped the workers
         shutdown_rdzv = False  # as torch does: the rendezvous stays open for the other nodes
@@ -403,7 +450,14 @@ def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: Nod
         care.drain()
 
 
-def _node_check(config: LaunchConfig, timeout_s: float, report_path: str | None = None) -> bool:
+def _report_node_failure(monitor: node_failure.NodeFailureMonitor, failure: node_failure.NodeFailure) -> int:
+    code, done = monitor.report(failure)
+    _say(f"{failure.node}: {done}; exiting with {code}")
+    return code
+
+
+def _node_check(config: LaunchConfig, timeout_s: float, report_path: str | None = None) -> NodeCheckError | bool:
+    """True when the check passed; else False, or the NodeCheckError that says which nodes failed."""
     try:
         from .node_check import run_node_check
     except ImportError as exc:
@@ -413,8 +467,27 @@ def _node_check(config: LaunchConfig, timeout_s: float, report_path: str | None 
         run_node_check(config, timeout_s, report_path=report_path)  # it reports what it found
     except NodeCheckError as exc:
         _say(f"node check failed on {socket.gethostname()}: {exc}")
-        return False
+        return exc
     return True
+
+
+def _after_node_check(error: NodeCheckError | bool, config: LaunchConfig,
+                      monitor: node_failure.NodeFailureMonitor) -> int | None:
+    """None to go on to training, else the exit code: this node is the faulty one, or no verdict."""
+    verdict = node_failure.judge_node_check(error) if isinstance(error, NodeCheckError) else None
+    if verdict is node_failure.CheckVerdict.THIS_NODE:
+        failure = monitor.node_check_failed(error)
+        _say(f"{failure}; this node leaves the job")
+        return _report_node_failure(monitor, failure)
+    if verdict is node_failure.CheckVerdict.OTHER_NODES:
+        total, left = node_failure.nodes_left(error)
+        if left >= config.min_nodes or monitor.handler.rescheduled:
+            _say(f"the node check named other nodes only: going on with {left} of {total} nodes, "
+                 "the named ones leave the job")
+            return None
+        _say(f"the node check named other nodes, and the {left} nodes left are fewer than --nnodes' minimum "
+             f"{config.min_nodes}")
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -424,13 +497,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     # attempt's keys and fail to connect (pytorch/pytorch#135712): a fresh store per attempt.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config, entrypoint, cmd_args = config_from_args(args)
-    if args.node_check and not _node_check(config, args.node_check_timeout, args.node_check_report):
-        return 1
+    try:
+        topology.configure(config, node=args.node_name, switch=args.topology_switch, topology_file=args.topology_file,
+                           topology_key=args.topology_key)
+        monitor = node_failure.NodeFailureMonitor(node_failure.select_node_failure_handler(args.node_failure_handler),
+                                                  topology.node_name(args.node_name),
+                                                  threshold=args.node_failure_threshold)
+        monitor.handler.prepare(monitor.node)
+    except (ValueError, FlashCkptError) as exc:
+        _say(str(exc))
+        return 2
+    if args.node_check:
+        checked = _node_check(config, args.node_check_timeout, args.node_check_report)
+        if checked is not True and (code := _after_node_check(checked, config, monitor)) is not None:
+            return code
     if args.checkpoint_dir is None and args.job_id is None and knobs.get(knobs.JOB_ID) is None:
         _say(_restart_notice(config.max_restarts))
     care = NodeCare(args.checkpoint_dir, args.job_id, commit_timeout=args.commit_timeout,
                     drain_timeout=args.drain_timeout)
-    return launch(config, entrypoint, cmd_args, care)
+    return launch(config, entrypoint, cmd_args, care, monitor)
 
 
 if __name__ == "__main__":

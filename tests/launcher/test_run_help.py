@@ -8,7 +8,8 @@ from flashckpt_integrations.launcher import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OWN = ["--checkpoint-dir", "--job-id", "--auto-config", "--node-check", "--node-check-timeout",
-       "--node-check-report", "--commit-timeout", "--drain-timeout"]
+       "--node-check-report", "--commit-timeout", "--drain-timeout", "--node-name", "--topology-switch",
+       "--topology-file", "--topology-key", "--node-failure-handler", "--node-failure-threshold"]
 
 
 def test_help_lists_the_launchers_own_options_first_with_their_defaults_in_plain_text():
