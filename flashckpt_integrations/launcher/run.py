@@ -45,7 +45,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
@@ -466,6 +466,12 @@ def _node_check(config: LaunchConfig, timeout_s: float, report_path: str | None 
     try:
         run_node_check(config, timeout_s, report_path=report_path)  # it reports what it found
     except NodeCheckError as exc:
+        if isinstance(exc.__cause__, RendezvousClosedError) and config.max_nodes > 1:
+            # A node that replaces one that left: the others checked and went on to training.
+            _say("the other nodes' node check is over (its rendezvous is closed): checking this node alone")
+            alone = dataclasses.replace(config, min_nodes=1, max_nodes=1, rdzv_backend="c10d",
+                                        rdzv_endpoint="localhost:0", rdzv_configs={}, run_id=str(uuid.uuid4()))
+            return _node_check(alone, timeout_s, report_path)
         _say(f"node check failed on {socket.gethostname()}: {exc}")
         return exc
     return True

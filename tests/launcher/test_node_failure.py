@@ -12,9 +12,12 @@ import types
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig
 
 from flashckpt_integrations.errors import FlashCkptError, MissingDependencyError, NodeCheckError
-from flashckpt_integrations.launcher import node_failure
+from flashckpt_integrations.launcher import node_failure, run
 from flashckpt_integrations.launcher.node_check import RankResult, evaluate
 from flashckpt_integrations.launcher.node_failure import (
     NODE_FAILURE_EXIT_CODE,
@@ -26,6 +29,7 @@ from flashckpt_integrations.launcher.node_failure import (
     NodeFailureMonitor,
     WorkerFailure,
 )
+from tests.distributed.launch import free_port
 from tests.k8s_api_server import KubernetesApiTestServer
 from tests.launcher import cluster
 
@@ -179,6 +183,21 @@ def test_the_kubernetes_handler_without_the_client_or_credentials_says_what_to_d
     with pytest.raises(ValueError, match="No Kubernetes credentials"):
         KubernetesNodeFailureHandler().prepare("host-a")
     node_failure._kubernetes_core_api.cache_clear()
+
+
+@pytest.mark.distributed
+def test_a_replacement_node_checks_itself_alone_once_the_others_went_on(capsys):
+    """The others' check rendezvous is over (closed): a node that joins later checks alone."""
+    port = free_port()
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="late-node-check",
+                                  min_nodes=2, max_nodes=4, is_host=True)
+    others = rdzv_registry.get_rendezvous_handler(params)  # hosts the store, as the endpoint's node does
+    others.set_closed()
+    config = LaunchConfig(min_nodes=2, max_nodes=4, nproc_per_node=1, rdzv_backend="c10d", run_id="late",
+                          rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"is_host": False}, monitor_interval=0.1)
+    assert run._node_check(config, timeout_s=60) is True
+    assert "checking this node alone" in capsys.readouterr().err
+    others.shutdown()
 
 
 def test_leaving_a_non_dynamic_rendezvous_is_a_no_op():
