@@ -28,7 +28,8 @@ fi
 
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q torch==2.14.1          # first, so nothing resolves another build
-"$VENV/bin/python" -m pip install -q 'megatron-core==0.19.2' psutil -e '.[test]'   # psutil: Megatron's async save
+# psutil: Megatron's async save; only what tests/megatron needs (the test extra pulls HF, TRL, moto)
+"$VENV/bin/python" -m pip install -q 'megatron-core==0.19.2' psutil pytest pytest-timeout -e .
 
 export PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/megatron "$@"

@@ -88,11 +88,20 @@ class CrashAfterSnapshot(TrainerCallback):
 def timed(trainer_class: type) -> type:
     """``trainer_class`` that records how long each checkpoint save held training."""
 
-    class Timed(trainer_class):
-        def _save_checkpoint(self, model, trial):
-            started = time.perf_counter()
-            super()._save_checkpoint(model, trial)
-            self.save_seconds = [*getattr(self, "save_seconds", []), time.perf_counter() - started]
+    if hasattr(trainer_class, "_flash_snapshot"):  # the whole snapshot: the save chain and the copy
+        class Timed(trainer_class):
+            def _flash_snapshot(self, model, persist):
+                started = time.perf_counter()
+                result = super()._flash_snapshot(model, persist)
+                if persist:  # checkpoints only, not the memory-only snapshots between them
+                    self.save_seconds = [*getattr(self, "save_seconds", []), time.perf_counter() - started]
+                return result
+    else:
+        class Timed(trainer_class):
+            def _save_checkpoint(self, model, trial):
+                started = time.perf_counter()
+                super()._save_checkpoint(model, trial)
+                self.save_seconds = [*getattr(self, "save_seconds", []), time.perf_counter() - started]
 
     Timed.__name__ = trainer_class.__name__
     return Timed

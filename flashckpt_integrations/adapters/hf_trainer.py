@@ -156,8 +156,8 @@ class FlashCkptTrainer(Trainer):
       state and let a crashed job resume from a newer step than the newest checkpoint on disk.
     * ``flash_config``: a :class:`~flashckpt_integrations.CheckpointerConfig` or a dict of its fields
       (e.g. ``{"async_snapshot": True}``, ``{"retention": {"keep_last": 3, "keep_every": 1000}}``).
-      The layout is always the Trainer's (``checkpoint-N``, staged); without a retention policy the
-      newest ``save_total_limit`` checkpoints are kept.
+      The layout is always the Trainer's (``checkpoint-N``, staged; one set here is refused);
+      without a retention policy the newest ``save_total_limit`` checkpoints are kept.
 
     After ``train()``: ``flash_resumed_from`` is ``(step, "memory" | "storage")`` or ``None``, and
     ``flash_last_save`` is the :class:`~flashckpt_integrations.SaveResult` of the newest snapshot.
@@ -232,9 +232,10 @@ class FlashCkptTrainer(Trainer):
         if given is not None and not isinstance(given, (CheckpointerConfig, Mapping)):
             raise TypeError(f"flash_config must be a CheckpointerConfig or a dict of its fields, got {type(given)}")
         fields = dataclasses.asdict(given) if isinstance(given, CheckpointerConfig) else dict(given or {})
-        if isinstance(given, Mapping) and "layout" in fields:
+        if ("layout" in fields if isinstance(given, Mapping)
+                else isinstance(given, CheckpointerConfig) and given.layout != Layout()):
             raise ValueError("flash_config must not set 'layout': FlashCkptTrainer writes the Trainer's own "
-                             "checkpoint-N folders. Remove 'layout'.")
+                             "checkpoint-N folders, which the Trainer's resume looks for. Remove 'layout'.")
         if memory_interval is not None and self.args.save_only_model:
             raise ValueError(
                 "flash_memory_interval takes snapshots to resume from after a crash, but save_only_model=True "
@@ -267,7 +268,7 @@ class FlashCkptTrainer(Trainer):
             (getattr(model, "hf_quantizer", None) is not None, "quantized models"),
             (self.hp_search_backend is not None, "hyperparameter search"),
             (self.args.push_to_hub, "push_to_hub"),
-            (self.args.save_on_each_node and self.args.world_size > 1, "save_on_each_node"),
+            (self.args.save_on_each_node and _spans_nodes(self.args.world_size), "save_on_each_node on several nodes"),
         ]
         for applies, name in reasons:
             if applies:
@@ -789,3 +790,8 @@ def _split_into_shards(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, d
         return None
     files = {name: {k: state_dict[k] for k in keys} for name, keys in split.filename_to_tensors.items()}
     return files, {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+
+
+def _spans_nodes(world_size: int) -> bool:
+    """The job has ranks on more than one node (each node's disk then holds only its own ranks' files)."""
+    return world_size > int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -19,6 +19,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import GPT2LMHeadModel, Trainer, TrainerCallback  # noqa: E402
 
+from flashckpt_integrations import CheckpointerConfig, Layout  # noqa: E402
 from flashckpt_integrations.adapters import hf_trainer  # noqa: E402
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
@@ -276,6 +277,7 @@ def test_a_crash_during_a_save_never_costs_the_newest_committed_checkpoint(tmp_p
     [
         ({"flash_memory_interval": 5}, {"save_only_model": True}, ValueError, "Set save_only_model=False"),
         ({"flash_config": {"layout": {"step_dir": "x-{step}"}}}, {}, ValueError, "Remove 'layout'"),
+        ({"flash_config": CheckpointerConfig(layout=Layout(step_dir="x-{step}"))}, {}, ValueError, "Remove 'layout'"),
         ({"flash_config": {"retention": {"keep_last": 3}}}, {"save_total_limit": 2}, ValueError, "only one"),
         ({"flash_config": "fast"}, {}, TypeError, "CheckpointerConfig or a dict"),
         ({"flash_memory_interval": 0}, {}, ValueError, "positive number of steps"),
@@ -285,6 +287,15 @@ def test_a_crash_during_a_save_never_costs_the_newest_committed_checkpoint(tmp_p
 def test_options_that_cannot_work_together_fail_at_construction(tmp_path, kwargs, args, error, match):
     with pytest.raises(error, match=match):
         make_trainer(FlashCkptTrainer, str(tmp_path / "run"), max_steps=4, save_steps=2, args=args, **kwargs)
+
+
+def test_save_on_each_node_falls_back_only_when_the_job_spans_nodes(monkeypatch):
+    from flashckpt_integrations.adapters.hf_trainer import _spans_nodes
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not _spans_nodes(2) and _spans_nodes(4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert not _spans_nodes(1) and not _spans_nodes(2)  # no launcher variables: one node
 
 
 def test_slots_are_prepared_after_the_first_step_so_the_first_save_creates_nothing(tmp_path):
