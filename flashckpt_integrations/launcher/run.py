@@ -20,6 +20,11 @@ On top of that, per node:
 - On SIGTERM/SIGINT (torchrun's ``--signals-to-handle``) it stops the workers, persists the same
   way, waits for in-flight persisting and exits with 128 + the signal number.
 - Before it exits it waits (``--drain-timeout``) for the saver's in-flight persists and commits.
+- With a node's switch (``--topology-switch``, ``--topology-file`` or ``--topology-key``) the c10d
+  rendezvous orders node ranks by switch (:mod:`.topology`). A node whose node check fails, or
+  whose workers die of SIGBUS ``--node-failure-threshold`` times, leaves the rendezvous, is
+  reported by the ``--node-failure-handler`` (``kubernetes`` cordons it) and exits with 138
+  (:mod:`.node_failure`).
 """
 
 from __future__ import annotations

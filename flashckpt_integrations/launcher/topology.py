@@ -238,7 +238,7 @@ def read_places(store: Store, run_id: str, nodes: Iterable[_Node]) -> dict[_Node
     """The published place of each node (``None`` for a node that published none)."""
     nodes = list(nodes)
     keys = [_place_key(run_id, node) for node in nodes]
-    if keys and store.check(keys):
+    if keys and store.check(keys) and hasattr(store, "multi_get"):
         values = store.multi_get(keys)
     else:
         values = [store.get(key) if store.check([key]) else None for key in keys]

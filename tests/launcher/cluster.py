@@ -14,9 +14,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections import defaultdict
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from tests.distributed.launch import REPO, free_port
 
@@ -99,3 +102,32 @@ def reap(out) -> None:
                 os.kill(pid, signal.SIGKILL)
         except (OSError, ValueError):
             continue
+
+
+def rendezvous_in_threads(backend: str, nodes: dict[str, str | None], run_id: str,
+                          shutdown: bool = True) -> dict[str, tuple[int, object]]:
+    """One round of ``backend`` among ``nodes`` (name -> switch), one thread each, in this process:
+    each node's rank and rendezvous handler."""
+    port = free_port()
+    handlers = {}
+    for i, (name, switch) in enumerate(nodes.items()):
+        conf = {"is_host": i == 0, "last_call_timeout": 1, "node_name": name}
+        if switch is not None:
+            conf["switch"] = switch
+        params = RendezvousParameters(backend=backend, endpoint=f"127.0.0.1:{port}", run_id=run_id,
+                                      min_nodes=len(nodes), max_nodes=len(nodes), **conf)
+        handlers[name] = rdzv_registry.get_rendezvous_handler(params)
+    ranks: dict[str, tuple[int, object]] = {}
+
+    def join(name: str) -> None:
+        ranks[name] = (handlers[name].next_rendezvous().rank, handlers[name])
+
+    threads = [threading.Thread(target=join, args=(name,)) for name in nodes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(ranks) == len(nodes), ranks
+    for handler in handlers.values() if shutdown else ():
+        handler.shutdown()
+    return ranks

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 import types
 
 import pytest
@@ -200,8 +201,19 @@ def test_a_replacement_node_checks_itself_alone_once_the_others_went_on(capsys):
     others.shutdown()
 
 
-def test_leaving_a_non_dynamic_rendezvous_is_a_no_op():
-    assert node_failure.leave_rendezvous(types.SimpleNamespace()) is False
+def test_a_node_leaves_the_rendezvous_without_closing_it_for_the_others():
+    ranks = cluster.rendezvous_in_threads("c10d", dict.fromkeys(["host-a", "host-b", "host-c"]), "leave",
+                                          shutdown=False)
+    (_, leaving), (_, staying) = ranks["host-c"], ranks["host-a"]
+    assert node_failure.leave_rendezvous(leaving) is True
+    time.sleep(1.1)  # past the state holder's cache
+    staying._state_holder.sync()
+    state = staying._state_holder.state
+    assert len(state.participants) == 2 and leaving._this_node not in state.participants
+    assert not state.closed and not staying.is_closed()
+    for _, handler in ranks.values():
+        handler.shutdown()
+    assert node_failure.leave_rendezvous(types.SimpleNamespace()) is False  # not torch's dynamic handler
 
 
 @pytest.mark.distributed

@@ -7,17 +7,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import threading
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.launcher.api import LaunchConfig
 
 from flashckpt_integrations.launcher import topology
 from flashckpt_integrations.launcher.topology import NodeOrder, Place
-from tests.distributed.launch import free_port
 from tests.k8s_api_server import KubernetesApiTestServer
 from tests.launcher import cluster
 
@@ -93,36 +89,9 @@ def test_without_topology_information_the_launch_config_is_torchs(monkeypatch):
         topology.configure(_config(rdzv_backend="static"), switch="rack-1")
 
 
-def _rendezvous(backend: str, nodes: dict[str, str | None], run_id: str) -> dict[str, tuple[int, object]]:
-    """One round of ``backend`` among ``nodes`` (name -> switch), one thread each, in this process."""
-    port = free_port()
-    handlers = {}
-    for i, (name, switch) in enumerate(nodes.items()):
-        conf = {"is_host": i == 0, "last_call_timeout": 1, "node_name": name}
-        if switch is not None:
-            conf["switch"] = switch
-        params = RendezvousParameters(backend=backend, endpoint=f"127.0.0.1:{port}", run_id=run_id,
-                                      min_nodes=len(nodes), max_nodes=len(nodes), **conf)
-        handlers[name] = rdzv_registry.get_rendezvous_handler(params)
-    ranks: dict[str, tuple[int, object]] = {}
-
-    def join(name: str) -> None:
-        ranks[name] = (handlers[name].next_rendezvous().rank, handlers[name])
-
-    threads = [threading.Thread(target=join, args=(name,)) for name in nodes]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert len(ranks) == len(nodes), ranks
-    for handler in handlers.values():
-        handler.shutdown()
-    return ranks
-
-
 def test_the_handler_orders_ranks_by_switch_and_without_switches_keeps_torchs_order():
     topology.register()
-    ranks = _rendezvous(topology.BACKEND, dict(cluster.SWITCHES), "by-switch")
+    ranks = cluster.rendezvous_in_threads(topology.BACKEND, dict(cluster.SWITCHES), "by-switch")
     assert sorted(ranks, key=lambda n: ranks[n][0]) == cluster.switch_order(cluster.HOSTS)
     assert all(type(handler) is topology.TopologyRendezvousHandler for _, handler in ranks.values())
     rank0 = next(handler for rank, handler in ranks.values() if rank == 0)
@@ -131,7 +100,7 @@ def test_the_handler_orders_ranks_by_switch_and_without_switches_keeps_torchs_or
 
     # No switch known: the same ranks as torch's own c10d handler, which sorts its node descriptors.
     for backend in (topology.BACKEND, "c10d"):
-        ranks = _rendezvous(backend, dict.fromkeys(cluster.HOSTS), f"no-switch-{backend}")
+        ranks = cluster.rendezvous_in_threads(backend, dict.fromkeys(cluster.HOSTS), f"no-switch-{backend}")
         descriptors = {name: handler._this_node for name, (_, handler) in ranks.items()}
         assert [ranks[n][0] for n in sorted(descriptors, key=descriptors.get)] == [0, 1, 2, 3]
         if backend == "c10d":
