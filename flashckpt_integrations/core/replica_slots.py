@@ -4,7 +4,9 @@ A replica slot is a slot (:mod:`.shm_buffer`): the same header, step, seq, metad
 checksum as the rank's own slot it copies, byte for byte from offset ``HEADER_SIZE`` to the end of
 the metadata. Its persist fields are zero (a replica is never persisted from), and a replica record
 in the header's spare bytes (offset 256) carries a generation (which of a rank's two replicas is
-newer), the crc32 of the copied bytes, and the node the copy came from. Names::
+newer), the crc32 of the copied bytes as the sender read them from its source, and the node the
+copy came from. A restore's fetch checks that crc twice: the holder while it reads its replica
+(damage at rest or in the first transfer), the fetching node while it receives (the second). Names::
 
     <shm dir>/flashckpt-<uid>-<job>.replica-r<rank>-<k>      k = 0, 1
 
@@ -30,6 +32,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +44,7 @@ from .shm_buffer import GROWTH, HEADER_SIZE, Slot, SlotHeader, SlotState, shm_fr
 logger = logging.getLogger(__name__)
 
 REPLICAS_PER_RANK = 2
-CHUNK = 1 << 20
+CHUNK = 4 << 20
 """Bytes per send/receive call (and per checksum update)."""
 _RECORD_OFFSET = 256
 _RECORD = struct.Struct("<8sqIi")
@@ -294,6 +297,32 @@ def check_head(head: dict[str, Any], limit: int = 1 << 44) -> tuple[int, int, in
     return step, seq, nbytes
 
 
+class _Checksum:
+    """A crc32 over a slot's chunks in order, computed on a helper thread beside the transfer
+    (``zlib`` and the socket calls both release the GIL: on a multi-core host they overlap)."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.crc = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="replica-crc")
+        self._last: Future | None = None
+
+    def add(self, offset: int, nbytes: int) -> None:
+        self._last = self._pool.submit(self._update, offset, nbytes)
+
+    def _update(self, offset: int, nbytes: int) -> None:
+        with self.slot.memoryview(offset, nbytes) as view:
+            self.crc = zlib.crc32(view, self.crc)
+
+    def result(self) -> int:
+        try:
+            if self._last is not None:
+                self._last.result()
+            return self.crc
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 def send_range(sock: Any, slot: Slot, start: int, end: int) -> int:
     """Stream ``slot[start:end]`` to ``sock`` straight from the mapping; return its crc32.
 
@@ -301,30 +330,35 @@ def send_range(sock: Any, slot: Slot, start: int, end: int) -> int:
     both say the same complete snapshot, so a save that reuses the slot meanwhile is detected and
     the copy discarded; the slot is never locked and a save never waits for a copy.
     """
-    crc = 0
-    offset = start
-    while offset < end:
-        n = min(CHUNK, end - offset)
-        with slot.memoryview(offset, n) as view:
-            crc = zlib.crc32(view, crc)
-            sock.sendall(view)
-        offset += n
+    checksum = _Checksum(slot)
+    try:
+        for offset in range(start, end, CHUNK):
+            n = min(CHUNK, end - offset)
+            checksum.add(offset, n)
+            with slot.memoryview(offset, n) as view:
+                sock.sendall(view)
+    finally:
+        crc = checksum.result()
     return crc
 
 
-def recv_range(recv_into: Callable[[memoryview], None], slot: Slot, start: int, end: int) -> int:
-    """Receive ``end - start`` bytes straight into ``slot[start:end]``; return their crc32."""
-    crc = 0
-    offset = start
-    while offset < end:
-        n = min(CHUNK, end - offset)
-        with slot.memoryview(offset, n) as view:
-            recv_into(view)
-            crc = zlib.crc32(view, crc)
-        if offset == start:
-            fault_point("replica.receive")  # part of the copy is in place
-        offset += n
-    return crc
+def recv_range(recv_into: Callable[[memoryview], None], slot: Slot, start: int, end: int, *,
+               checksum: bool = True) -> int | None:
+    """Receive ``end - start`` bytes straight into ``slot[start:end]``; return their crc32 (None
+    without ``checksum``: a replica keeps its sender's, which every restore verifies)."""
+    crc = _Checksum(slot) if checksum else None
+    try:
+        for offset in range(start, end, CHUNK):
+            n = min(CHUNK, end - offset)
+            with slot.memoryview(offset, n) as view:
+                recv_into(view)
+            if crc is not None:
+                crc.add(offset, n)
+            if offset == start:
+                fault_point("replica.receive")  # part of the copy is in place
+    finally:
+        value = crc.result() if crc is not None else None
+    return value
 
 
 def seal_copy(slot: Slot, head: dict[str, Any]) -> dict[str, Any]:
