@@ -1,4 +1,4 @@
-"""Flash checkpoints for Megatron-LM: one import and one call, and ``save_checkpoint`` /
+r"""Flash checkpoints for Megatron-LM: one import and one call, and ``save_checkpoint`` /
 ``load_checkpoint`` go through shared memory and the node's saver, in Megatron's own layout.
 
 ```python
@@ -10,24 +10,38 @@ flash.close()                                        # storage every 100; close(
 ```
 
 * ``megatron.training.checkpointing.save_checkpoint`` (and every module that imported it, such as
-  ``megatron.training.training``) runs Megatron's own code to build each rank's state; the files
-  it would write (``iter_XXXXXXX/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt``, the distributed
-  optimizer's ``distrib_optim.pt``) are copied into the rank's shared-memory slot instead, and the
-  call returns. The node's saver writes them, byte-compatible with ``torch.save``; the committer
-  renames the iteration's folder into place and writes ``latest_checkpointed_iteration.txt`` only
-  once every rank's files are durable, so unpatched Megatron reads the result and never sees a
-  partial iteration.
+  ``megatron.training.training``) runs Megatron's own code to build each rank's state, and the
+  call returns once the state is in the rank's shared-memory slot; the node's saver writes the
+  files Megatron would have written:
+
+  - ``--ckpt-format torch_dist`` (Megatron's default): the sharded state dict of Megatron's
+    ``generate_state_dict`` (the distributed optimizer's in the format Megatron picks,
+    ``--ckpt-fully-parallel-save`` spreading the replicated shards over the data-parallel ranks
+    as Megatron's own wrapper does) is planned by megatron-core's planner and becomes
+    ``iter_XXXXXXX/__<rank>_0.distcp``, ``.metadata`` and ``metadata.json``;
+  - ``--ckpt-format torch``: ``iter_XXXXXXX/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`` and the
+    distributed optimizer's ``distrib_optim.pt``, byte-compatible with ``torch.save``.
+
+  The committer renames the iteration's folder into place and writes
+  ``latest_checkpointed_iteration.txt`` only once every rank's files are durable, so unpatched
+  Megatron reads the result and never sees a partial iteration. ``--async-save`` (with
+  ``--use-persistent-ckpt-worker``) changes nothing: the saver is asynchronous already, so
+  Megatron's worker is not started and no second copy is made (one INFO line says so).
 * Saves whose iteration is not a multiple of ``persist_interval``, and Megatron's non-persistent
   saves (``--non-persistent-save-interval``), stay in memory only: one memory copy, and they
   survive the death of the training processes.
 * ``load_checkpoint`` loads the newest iteration that every rank holds complete in memory, when
-  it is at least as new as the newest commit and was saved with the same parallel layout (files
-  that only another rank's slot holds are sent over a gloo group); else Megatron's own code loads
-  the newest commit from storage. A storage checkpoint saved with other tensor, pipeline or expert
-  parallel sizes fails up front with the sizes that differ.
-* Configurations outside this (``--ckpt-format`` other than ``torch``, release checkpoints,
-  explicit rank overrides, the layer-wise distributed optimizer) use Megatron's stock code, with a
-  warning. For ``torch_dist`` checkpoints see :mod:`.megatron_core`.
+  it is at least as new as the newest commit and was saved in the same format with the same
+  parallel sizes: ``torch_dist`` shards are read by a ``dist_checkpointing.load`` strategy
+  straight from the slots (and from other ranks' slots, for the shards they saved); ``torch``
+  files that only another rank's slot holds are sent over a gloo group. Else Megatron's own code
+  loads the newest commit from storage: a ``torch_dist`` one with any tensor, pipeline, data or
+  expert parallel sizes; a ``torch`` one saved with other sizes fails up front with the sizes that
+  differ.
+* Configurations outside this (other ``--ckpt-format``\ s, release checkpoints, explicit rank
+  overrides, the layer-wise distributed optimizer, ``--verify-integrity`` with ``torch_dist``)
+  use Megatron's stock code, with a warning. For ``dist_checkpointing.save`` without
+  ``megatron.training`` see :mod:`.megatron_core`.
 
 Supported: Megatron-LM's ``megatron.training`` as shipped with megatron-core 0.19 (Python >= 3.12).
 """
@@ -54,6 +68,7 @@ from ..config import CheckpointerConfig
 from ..core.engine import Checkpointer
 from ..core.layout import Layout
 from ..core.results import PersistResult, SaveResult
+from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, LayoutMismatchError, missing_dependency
 from ._common import declare_resume, log_save, newest_memory_step
 from ._transfer import exchange, gloo_group
@@ -63,9 +78,15 @@ try:
     from megatron.core import package_info as _package_info
     from megatron.core.optimizer import distrib_optimizer as _distrib_optimizer
     from megatron.training import checkpointing as _checkpointing
+    from megatron.training import initialize as _initialize
     from megatron.training.global_vars import get_args
 except ImportError as exc:  # pragma: no cover - exercised only without megatron
-    raise missing_dependency("megatron.training (megatron-core >= 0.19, Python >= 3.12)", "megatron") from exc
+    raise missing_dependency(
+        "megatron.training (Megatron-LM's training package, shipped with megatron-core 0.19 on Python >= 3.12; "
+        "with an older megatron-core, dist_checkpointing.save works through "
+        "flashckpt_integrations.adapters.megatron_core.FlashTorchDistSaveStrategy)", "megatron") from exc
+
+from . import megatron_core as _dist  # noqa: E402  (after the megatron.training check: its message first)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +104,11 @@ _SIZES = {
 }
 _FILE_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
 """The sizes that name a legacy checkpoint's files: a load with other values cannot find them."""
+FORMATS = ("torch_dist", "torch")
+"""The ``--ckpt-format`` values the patch saves and loads itself."""
+_ASYNC_NOTE = ("flashckpt: --async-save / --use-persistent-ckpt-worker have no effect under the flash patch: "
+               "save_checkpoint returns once the state is in shared memory and the node's saver writes it in "
+               "the background already, so Megatron's checkpoint worker is not started (no second copy)")
 
 _active: MegatronFlash | None = None
 
@@ -192,11 +218,13 @@ class MegatronFlash:
         iteration = int(call.arguments["iteration"])
         memory_only = bool(call.arguments.pop("non_persistent_ckpt", False))
         persist = not memory_only and self.persist_interval is not None and iteration % self.persist_interval == 0
+        if margs.async_save:
+            self._note_async()
         ck = self.checkpointer(margs.save)
         self._attach(ck, call.arguments.get("optimizer"))
-        files = self._capture(ck, iteration, original, call)
-        self.last_save = ck.save(iteration, files=files, persist=persist,
-                                 metadata={"megatron": _parallel_sizes(margs)})
+        capture = self._capture_dist if margs.ckpt_format == "torch_dist" else self._capture
+        files = capture(ck, iteration, original, call)
+        self.last_save = ck.save(iteration, files=files, persist=persist, metadata={"megatron": _snapshot_kind(margs)})
         log_save(logger, ck.rank, "Megatron save_checkpoint", self.last_save,
                  os.path.join(ck.url, LAYOUT.step_path(iteration)), time.perf_counter() - started)
 
@@ -226,6 +254,48 @@ class MegatronFlash:
             shutil.rmtree(scratch, ignore_errors=True)
         return {os.path.relpath(path, step_dir).replace(os.sep, "/"): obj for path, obj in io.files.items()}
 
+    def _capture_dist(self, ck: Checkpointer, iteration: int, original: Any,
+                      call: inspect.BoundArguments) -> dict[str, Any]:
+        """Run Megatron's ``torch_dist`` save with the shards planned into files instead of written.
+
+        Megatron builds the sharded state, wraps the strategy for ``--ckpt-fully-parallel-save``
+        and calls ``dist_checkpointing.save``; the iteration's folder is a scratch one, where
+        Megatron writes its small files (``metadata.json``), taken as they are.
+        """
+        margs = get_args()
+        step_dir = os.path.join(ck.url, LAYOUT.step_path(iteration))
+        scratch = tempfile.mkdtemp(prefix="flashckpt-megatron-")
+        stand_in = os.path.join(scratch, LAYOUT.step_path(iteration))
+        strategy = _SnapshotStrategy()
+        context = call.arguments.get("checkpointing_context")
+        held = context.pop("save_strategy", None) if isinstance(context, dict) else None  # a stock one from before
+        try:
+            with _swapped(
+                _checkpointing,
+                TorchDistSaveShardedStrategy=lambda *_, **__: strategy,
+                get_checkpoint_name=_moved(step_dir, stand_in, _checkpointing.get_checkpoint_name),
+                get_checkpoint_tracker_filename=lambda _: os.path.join(scratch, TRACKER),  # the committer writes it
+            ), _swapped(margs, async_save=False):
+                original(*call.args, **call.kwargs)
+            files: dict[str, Any] = dict(strategy.files)
+            for root, _, names in os.walk(stand_in):
+                for name in names:
+                    path = os.path.join(root, name)
+                    with open(path, "rb") as f:
+                        files[os.path.relpath(path, stand_in).replace(os.sep, "/")] = FileSpec(f.read(), Codec.BYTES)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+            if isinstance(context, dict):
+                context.pop("save_strategy", None)
+                if held is not None:
+                    context["save_strategy"] = held
+        return files
+
+    def _note_async(self) -> None:
+        if "async" not in self._warned:
+            self._warned.add("async")
+            logger.info(_ASYNC_NOTE)
+
     # --- load ------------------------------------------------------------------------------
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -239,24 +309,26 @@ class MegatronFlash:
             self._warn(reason)
             return original(*args, **kwargs)
         ck = self.checkpointer(load_dir)
-        step = self._memory_step(ck, _parallel_sizes(margs))
+        step = self._memory_step(ck, _snapshot_kind(margs))
         if step is None:
-            _check_storage_layout(margs, load_dir)
+            if margs.ckpt_format == "torch":  # torch_dist checkpoints reshard on load
+                _check_storage_layout(margs, load_dir)
             result = original(*args, **kwargs)
             iteration = result[0] if isinstance(result, tuple) else result
             self.last_load = (int(iteration), "storage") if iteration else None
             if iteration and margs.save and os.path.abspath(margs.save) == os.path.abspath(load_dir):
                 declare_resume(ck, int(iteration))  # Megatron's own loader read it: saves continue its lineage
             return result
-        with self._serving(ck, step, load_dir):
+        serving = self._serving_dist if margs.ckpt_format == "torch_dist" else self._serving
+        with serving(ck, step, load_dir, call.arguments.get("checkpointing_context")):
             result = original(*args, **kwargs)
         self.last_load = (step, "memory")
         logger.warning("[RANK %d] flashckpt: resumed iteration %d from shared memory", ck.rank, step)
         return result
 
-    def _memory_step(self, ck: Checkpointer, sizes: dict[str, int]) -> int | None:
-        """The iteration to load from memory (collective): held complete by every rank, saved with
-        this run's parallel sizes, and at least as new as the newest commit; else None."""
+    def _memory_step(self, ck: Checkpointer, sizes: dict[str, Any]) -> int | None:
+        """The iteration to load from memory (collective): held complete by every rank, saved in
+        this run's format with its parallel sizes, and at least as new as the newest commit; else None."""
         matching, other = [], {}
         for step, (_, meta) in ck._memory_snapshots().items():
             saved = meta.get("user", {}).get("megatron")
@@ -269,14 +341,14 @@ class MegatronFlash:
             committed = ck.committed_steps()
             skipped = [s for s in other if not committed or s >= committed[-1]]
             if skipped:
-                logger.warning("[RANK %d] flashckpt: the memory snapshots of iterations %s were saved with parallel "
-                               "sizes %s, this run has %s; loading from storage", ck.rank, sorted(skipped),
+                logger.warning("[RANK %d] flashckpt: the memory snapshots of iterations %s were saved with format "
+                               "and parallel sizes %s, this run has %s; loading from storage", ck.rank, sorted(skipped),
                                other[max(skipped)], sizes)
         return step
 
     @contextlib.contextmanager
-    def _serving(self, ck: Checkpointer, step: int, load_dir: str) -> Iterator[None]:
-        """Let Megatron's stock load code read iteration ``step`` from the ranks' memory snapshots."""
+    def _serving(self, ck: Checkpointer, step: int, load_dir: str, context: Any = None) -> Iterator[None]:
+        """Let Megatron's stock load code read iteration ``step`` (``torch`` files) from the ranks' memory snapshots."""
         result = ck.load(step, map_location="cpu")
         if result is None or result.source != "memory":
             raise FlashCkptError(f"the memory snapshot of iteration {step} vanished while it was being loaded")
@@ -293,12 +365,49 @@ class MegatronFlash:
         try:
             with self._io_of(_Files(step_dir, served)), _swapped(
                 _checkpointing,
-                get_checkpoint_tracker_filename=lambda _: tracker,
+                get_checkpoint_tracker_filename=_tracker_of(load_dir, tracker,
+                                                            _checkpointing.get_checkpoint_tracker_filename),
                 _get_checkpoint_format=_format_of(step_dir, _checkpointing._get_checkpoint_format),
             ):
                 yield
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _serving_dist(self, ck: Checkpointer, step: int, load_dir: str, context: Any = None) -> Iterator[None]:
+        """Let Megatron's stock load code read ``torch_dist`` iteration ``step`` from the ranks' memory snapshots.
+
+        Megatron finds a stand-in folder with the tracker and ``metadata.json``; the common state and
+        the shards come from a :class:`~.megatron_core.SnapshotReader` (collective), through
+        :class:`~.megatron_core.FlashTorchDistLoadShardedStrategy` in place of Megatron's strategy.
+        """
+        declare_resume(ck, step, "memory")  # read here, not by ck.load(): saves continue its lineage
+        reader = _dist.SnapshotReader(ck, step)
+        step_dir = os.path.join(ck.url, LAYOUT.step_path(step))
+        scratch = tempfile.mkdtemp(prefix="flashckpt-megatron-")
+        stand_in = os.path.join(scratch, LAYOUT.step_path(step))
+        os.makedirs(stand_in)
+        with open(os.path.join(stand_in, _dist.CONFIG_FILE), "wb") as f:
+            f.write(reader.config)
+        tracker = os.path.join(scratch, TRACKER)
+        with open(tracker, "w") as f:
+            f.write(str(step))
+        held = context.get("load_strategy") if isinstance(context, dict) else None
+        try:
+            with _swapped(
+                _checkpointing,
+                get_checkpoint_tracker_filename=_tracker_of(load_dir, tracker,
+                                                            _checkpointing.get_checkpoint_tracker_filename),
+                get_checkpoint_name=_moved(step_dir, stand_in, _checkpointing.get_checkpoint_name),
+                TorchDistLoadShardedStrategy=functools.partial(_dist.FlashTorchDistLoadShardedStrategy, reader),
+            ), _dist.reading_from(reader, checkpoint_dir=stand_in):
+                yield
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+            if isinstance(context, dict):  # Megatron keeps its load strategy: not one that reads this snapshot
+                context.pop("load_strategy", None)
+                if held is not None:
+                    context["load_strategy"] = held
 
     # --- patching ----------------------------------------------------------------------------
 
@@ -323,6 +432,9 @@ class MegatronFlash:
         for module in (_checkpointing, _distrib_optimizer):
             self._replaced.append((module, "torch", module.torch))
             module.torch = proxy
+        # --async-save --use-persistent-ckpt-worker: initialize_megatron() would start Megatron's worker
+        self._replaced.append((_initialize, "init_persistent_async_worker", _initialize.init_persistent_async_worker))
+        _initialize.init_persistent_async_worker = lambda *_, **__: self._note_async()
 
     def _uninstall(self) -> None:
         for module, name, original in reversed(self._replaced):
@@ -385,21 +497,30 @@ def _check_version() -> None:
     if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_VERSIONS):
         raise FlashCkptError(
             f"megatron-core {version} is not supported by the Megatron patch; supported releases: "
-            f"{', '.join(v + '.x' for v in SUPPORTED_VERSIONS)}. Install one of them "
-            "(pip install 'megatron-core==0.19.*'), or use Megatron's stock checkpointing."
+            f"{', '.join(v + '.x' for v in SUPPORTED_VERSIONS)} (the ones that ship megatron.training). Install one of "
+            "them (pip install 'megatron-core==0.19.*'), or keep Megatron's stock checkpointing; with this release, "
+            "dist_checkpointing.save can still go through shared memory with "
+            "flashckpt_integrations.adapters.megatron_core.FlashTorchDistSaveStrategy."
         )
-    for name in ("save_checkpoint", "load_checkpoint", "get_checkpoint_name", "_get_checkpoint_format",
-                 "get_checkpoint_tracker_filename", "ensure_directory_exists"):
-        if not callable(getattr(_checkpointing, name, None)):
-            raise FlashCkptError(f"megatron.training.checkpointing has no {name}(); this Megatron-LM build is not "
-                                 f"one the patch supports ({', '.join(SUPPORTED_VERSIONS)})")
+    needed = [(_checkpointing, name) for name in (
+        "save_checkpoint", "load_checkpoint", "get_checkpoint_name", "_get_checkpoint_format",
+        "get_checkpoint_tracker_filename", "ensure_directory_exists", "find_checkpoint_rank_0",
+        "TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy")]
+    needed += [(_initialize, "init_persistent_async_worker"), (_dist._serialization, "_get_filesystem_reader"),
+               (_dist._torch_strategies, "_get_filesystem_reader")]
+    for module, name in needed:
+        if not callable(getattr(module, name, None)):
+            raise FlashCkptError(f"{module.__name__} has no {name}(); this Megatron-LM build is not one the patch "
+                                 f"supports ({', '.join(SUPPORTED_VERSIONS)})")
 
 
 def _unsupported_save(margs: Any, arguments: Mapping[str, Any]) -> str | None:
     if margs.save is None:
         return "saving without --save"
-    if margs.ckpt_format != "torch":
+    if margs.ckpt_format not in FORMATS:
         return f"--ckpt-format {margs.ckpt_format}"
+    if margs.ckpt_format == "torch_dist" and getattr(margs, "verify_integrity", False):
+        return "--verify-integrity (its manifest hashes files that the saver writes later)"
     if arguments.get("release"):
         return "a release checkpoint"
     if any(arguments.get(k) is not None for k in ("pipeline_rank", "expert_rank", "tensor_rank", "pipeline_parallel",
@@ -413,8 +534,10 @@ def _unsupported_save(margs: Any, arguments: Mapping[str, Any]) -> str | None:
 def _unsupported_load(margs: Any, load_dir: str | None) -> str | None:
     if load_dir is None:
         return "loading without --load"
-    if margs.ckpt_format != "torch":
+    if margs.ckpt_format not in FORMATS:
         return f"--ckpt-format {margs.ckpt_format}"
+    if margs.ckpt_format == "torch_dist" and getattr(margs, "verify_integrity", False):
+        return "--verify-integrity"
     if getattr(margs, "use_layer_wise_distributed_optimizer", False):
         return "the layer-wise distributed optimizer"
     if getattr(margs, "ckpt_step", None) or getattr(margs, "finetune", False):
@@ -424,6 +547,26 @@ def _unsupported_load(margs: Any, load_dir: str | None) -> str | None:
 
 def _parallel_sizes(margs: Any) -> dict[str, int]:
     return {short: int(getattr(margs, name, 1) or 1) for name, short in _SIZES.items()}
+
+
+def _snapshot_kind(margs: Any) -> dict[str, Any]:
+    """What a memory snapshot records about its save, and what a load from it must match."""
+    return {**_parallel_sizes(margs), "format": margs.ckpt_format}
+
+
+class _SnapshotStrategy(_dist.TorchDistSaveShardedStrategy):
+    """The ``torch_dist`` save strategy Megatron is given under the patch: its ``save`` plans the
+    shards into files (:func:`~.megatron_core.snapshot_files`) for the checkpointer, and writes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_dist", 1)
+        self.files: dict[str, Any] = {}
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        self.files = _dist.snapshot_files(sharded_state_dict, keep_only_main_replica=self.keep_only_main_replica)
+
+    def async_save(self, *args: Any, **kwargs: Any) -> Any:  # async_save is off during a patched save
+        raise FlashCkptError("the flash patch saves asynchronously itself; Megatron's async_save must be off")
 
 
 def _needed_files(margs: Any, root: str, step: int) -> list[str]:
@@ -471,6 +614,26 @@ def _skip_inside(step_dir: str, ensure: Any) -> Any:
         if not os.path.abspath(filename).startswith(step_dir + os.sep):  # the saver makes the iteration's folders
             ensure(filename, check_parent)
     return ensure_directory_exists
+
+
+def _moved(step_dir: str, stand_in: str, name_of: Any) -> Any:
+    """``get_checkpoint_name`` with the paths inside ``step_dir`` moved into ``stand_in``."""
+    def get_checkpoint_name(*args: Any, **kwargs: Any) -> str:
+        path = name_of(*args, **kwargs)
+        absolute = os.path.abspath(path)
+        if absolute == step_dir or absolute.startswith(step_dir + os.sep):
+            return stand_in + absolute[len(step_dir):]
+        return path
+    return get_checkpoint_name
+
+
+def _tracker_of(load_dir: str, tracker: str, stock: Any) -> Any:
+    """``get_checkpoint_tracker_filename`` answering ``tracker`` for ``load_dir`` (only)."""
+    root = os.path.abspath(load_dir)
+
+    def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
+        return tracker if os.path.abspath(checkpoints_path) == root else stock(checkpoints_path)
+    return get_checkpoint_tracker_filename
 
 
 def _format_of(step_dir: str, detect: Any) -> Any:

@@ -14,7 +14,10 @@ strategy.resumed_from("ckpt/iter_0000100")        # after a resume: before the f
 ``save`` translates the sharded state dict as megatron-core's ``TorchDistSaveShardedStrategy``
 does, plans it with megatron-core's own DCP planner, copies every rank's shards into its
 shared-memory slot and returns; the node's saver writes the standard ``torch_dist`` files
-(``__<rank>_0.distcp`` and ``.metadata``) that the stock ``dist_checkpointing.load`` reads. The
+(``__<rank>_0.distcp`` and ``.metadata``) that the stock ``dist_checkpointing.load`` reads. (The
+common state, ``args``, ``iteration`` and the like, is one of the shards, as megatron-core 0.19
+stores it; older releases wrote it to ``common.pt``, which ``dist_checkpointing.save`` still does
+there itself.) The
 checkpoint directory's name carries the step (``iter_0000100``, ``step-100``): a checkpoint counts
 once ``<parent>/.flashckpt/steps/<N>/COMMITTED`` exists (``metadata.json`` is written by
 ``dist_checkpointing.save`` itself, at once). ``persist=False`` keeps saves in memory only.
@@ -23,31 +26,40 @@ before its first save: otherwise it counts as a fresh start, and once it saves, 
 longer see the checkpoints of the run it resumed.
 
 Only megatron-core is needed (any release with ``strategies.torch``, 0.16 and newer); for
-Megatron-LM's ``save_checkpoint`` see :mod:`.megatron`.
+Megatron-LM's ``save_checkpoint`` see :mod:`.megatron`, which uses the pieces below for
+``--ckpt-format torch_dist``: :func:`snapshot_files` (a sharded state dict as the files of a
+``torch_dist`` checkpoint) and :class:`FlashTorchDistLoadShardedStrategy` (``dist_checkpointing.load``
+reading the shards of a memory snapshot, from this rank's slot and from the other ranks').
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..config import CheckpointerConfig
+from ..core.codecs import decode_from_slot
 from ..core.engine import Checkpointer
 from ..core.layout import Layout
 from ..core.results import SaveResult
-from ..errors import missing_dependency
+from ..core.state import FileSpec
+from ..errors import CheckpointNotFoundError, missing_dependency
 from . import dcp as flash_dcp
 from ._common import declare_resume, log_save
 
 try:
+    from megatron.core.dist_checkpointing import serialization as _serialization
+    from megatron.core.dist_checkpointing.strategies import torch as _torch_strategies
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
+        TorchDistLoadShardedStrategy,
         TorchDistSaveShardedStrategy,
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
@@ -57,7 +69,16 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FlashTorchDistSaveStrategy", "step_layout"]
+__all__ = [
+    "FlashTorchDistLoadShardedStrategy",
+    "FlashTorchDistSaveStrategy",
+    "SnapshotReader",
+    "snapshot_files",
+    "step_layout",
+]
+
+CONFIG_FILE = "metadata.json"
+"""The file that makes a folder a ``dist_checkpointing`` checkpoint (backend and version)."""
 
 _STEP_NAME = re.compile(r"(.*?)(\d+)")
 
@@ -131,11 +152,8 @@ class FlashTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         started = time.perf_counter()
         _, step, _ = step_layout(checkpoint_dir)
         ck = self.checkpointer(checkpoint_dir)
-        state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                   flatten_state_dict=False, flatten_sharded_tensors=False)
-        files = flash_dcp.dcp_files(mcore_to_pyt_state_dict(state, False), process_group=ck.process_group,
-                                    planner=planner)
+        files = snapshot_files(sharded_state_dict, process_group=ck.process_group,
+                               keep_only_main_replica=self.keep_only_main_replica)
         self.last_save = ck.save(step, files=files, persist=self.persist)
         log_save(logger, ck.rank, "megatron-core dist_checkpointing.save", self.last_save,
                  os.path.abspath(os.fspath(checkpoint_dir)), time.perf_counter() - started)
@@ -156,3 +174,83 @@ class FlashTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         for ck in self._checkpointers.values():
             ck.close()
         self._checkpointers.clear()
+
+
+def snapshot_files(sharded_state_dict: Any, *, process_group: Any = None,
+                   keep_only_main_replica: bool = True) -> dict[str, FileSpec]:
+    """This rank's files of a ``torch_dist`` checkpoint of ``sharded_state_dict`` (collective).
+
+    Translated and planned as ``TorchDistSaveShardedStrategy`` does (main replicas only, megatron-core's
+    planner): ``__<rank>_0.distcp`` and, on the coordinator (rank 0), ``.metadata``. The files hold
+    views of the live tensors, for ``Checkpointer.save(files=...)`` before the state changes.
+    """
+    state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica)
+    planner = MCoreSavePlanner(dedup_replicated_tensors=not keep_only_main_replica,
+                               flatten_state_dict=False, flatten_sharded_tensors=False)
+    return flash_dcp.dcp_files(mcore_to_pyt_state_dict(state, False), process_group=process_group, planner=planner)
+
+
+class SnapshotReader(flash_dcp._MemoryReader):
+    """A DCP storage reader over the ranks' memory snapshots of one ``torch_dist`` checkpoint.
+
+    Collective to make (rank 0's ``.metadata`` and ``metadata.json`` go to every rank). Reading is
+    collective too: each rank reads its own shards from its slot, and the shards that another rank
+    saved (its main replicas, as ``--ckpt-fully-parallel-save`` spreads them) are sent by their owner.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, step: int) -> None:
+        super().__init__(checkpointer, step, "")
+        slot, meta = checkpointer._memory_snapshots()[step]
+        config = next((decode_from_slot(slot, meta["regions"], f) for f in meta["files"]
+                       if f["path"] == CONFIG_FILE), None)
+        self.config: bytes | None = flash_dcp._broadcast_bytes(config, checkpointer)
+        if self.config is None:
+            raise CheckpointNotFoundError(f"the memory snapshot of step {step} holds no {CONFIG_FILE}")
+
+
+class FlashTorchDistLoadShardedStrategy(TorchDistLoadShardedStrategy):
+    """megatron-core's ``torch_dist`` load strategy, reading the shards from a :class:`SnapshotReader`.
+
+    Call its methods on every rank (a read exchanges shards between ranks). Everything else about
+    the load (translating the sharded state dict, megatron-core's planner, shape checks, wrapping
+    in ``FullyParallelLoadStrategyWrapper``) is the stock strategy's.
+    """
+
+    def __init__(self, reader: SnapshotReader, **kwargs: Any) -> None:
+        kwargs.pop("checkpoint_name", None)
+        super().__init__(**kwargs)
+        self.reader = reader
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Path, async_strategy: str = "mcore") -> Any:
+        with reading_from(self.reader, _torch_strategies):
+            return super().load(sharded_state_dict, checkpoint_dir, async_strategy)
+
+    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> Any:
+        return super().load_tensors_metadata(checkpoint_dir, metadata if metadata is not None else self.reader.metadata)
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> Any:
+        with reading_from(self.reader, _torch_strategies):
+            return super().load_sharded_metadata(checkpoint_dir)
+
+
+@contextlib.contextmanager
+def reading_from(reader: SnapshotReader, module: Any = _serialization,
+                 checkpoint_dir: str | None = None) -> Iterator[None]:
+    """While the block runs, ``module``'s readers of ``checkpoint_dir`` (of any, by default) are ``reader``.
+
+    ``module``: megatron-core's ``dist_checkpointing.serialization`` (its common-state load) or
+    ``strategies.torch`` (the strategy's shard load); both make their reader with ``_get_filesystem_reader``.
+    """
+    stock = module._get_filesystem_reader
+    wanted = os.path.abspath(checkpoint_dir) if checkpoint_dir is not None else None
+
+    def get_reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if wanted is None or os.path.abspath(os.fspath(path)) == wanted:
+            return reader
+        return stock(path, *args, **kwargs)
+
+    module._get_filesystem_reader = get_reader
+    try:
+        yield
+    finally:
+        module._get_filesystem_reader = stock

@@ -47,6 +47,9 @@ What is patched, and why (all idempotent, process-wide):
    - ``DistributedOptimizer._set_main_param_and_optimizer_states``: tolerate the torch-Adam
      ``'step'`` state and run under ``no_grad`` (see ``_patch_distopt_legacy_load``);
      only matters for ``--use-distributed-optimizer --ckpt-format torch`` load.
+   - ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` of an optimizer that never
+     stepped: give it dummy states first (see ``_patch_distopt_fresh_load``); only matters for
+     ``--use-distributed-optimizer --ckpt-format torch_dist`` load into a fresh optimizer.
    - ``megatron.training.training.initialize_megatron`` (the name ``pretrain()`` calls): run with
      ``allow_no_cuda=True`` inside ``fake_cuda_device_count()`` (see 4.); only ``pretrain()`` uses it.
 4. ``fake_cuda_device_count()`` context manager: ``initialize_megatron`` only calls
@@ -209,6 +212,7 @@ def _patch_megatron():
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
     _patch_distopt_legacy_load()
+    _patch_distopt_fresh_load()
     _patch_pretrain()
 
 
@@ -243,6 +247,10 @@ def _patch_distopt_legacy_load():
     (b) with fp32 params the main param is a view of the model param (a leaf requiring
     grad) and ``copy_`` runs outside ``no_grad`` -> ``RuntimeError: a view of a leaf
     Variable that requires grad is being used in an in-place operation``.
+    With ``--ckpt-format torch_dist`` (``dp_reshardable``) the tensors do hold a ``'step'``: the
+    load request's own, a ``LocalNonpersistentObject`` (distrib_optimizer.py:1953) of the
+    optimizer that built the request, so (c) the checkpoint's step, which ``load_state_dict``
+    put into the state from the param groups, would be overwritten with a placeholder.
     Neither is CPU specific, but both are hit by every CPU run with the distributed optimizer.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -256,8 +264,11 @@ def _patch_distopt_legacy_load():
         main_param = self.optimizer.param_groups[group_index]['params'][group_order]
         state = self.optimizer.state.get(main_param, {})
         missing = {k: v for k, v in state.items() if torch.is_tensor(v) and k not in tensors}
+        # 'step' is the state's own: load_state_dict set it from the checkpoint's param groups. (A
+        # torch_dist load passes the 'step' of the optimizer it built its request from, a placeholder.)
+        own_step = {'step': state['step']} if torch.is_tensor(state.get('step')) else {}
         with torch.no_grad():
-            orig(self, model_param, {**missing, **tensors})  # 'step' -> copy onto itself
+            orig(self, model_param, {**missing, **tensors, **own_step})  # 'step' -> copy onto itself
 
     _set_main_param_and_optimizer_states._cpu_shim = True
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
@@ -274,6 +285,30 @@ def _patch_distopt_legacy_load():
                 state['step'] = state['step'].clone()
 
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _patch_distopt_fresh_load():
+    """Let a ``torch_dist`` load build the sharded state of a DistributedOptimizer that never stepped.
+
+    Without TE/Apex, ``DistributedOptimizer.state_dict()`` (distrib_optimizer.py:838) reads the torch-Adam
+    ``'step'`` of every parameter's state and asserts there is exactly one value; a fresh optimizer has no
+    state, so ``sharded_state_dict(is_loading=True)`` (:1532, called by ``load_checkpoint`` to build what to
+    load) fails with a bare ``AssertionError``. Megatron's own ``_init_optimizer_states_with_dummy_values``
+    (used for its FSDP path) gives the states placeholders that the load then overwrites.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer.sharded_state_dict
+    if getattr(orig, '_cpu_shim', False):
+        return
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, *args, **kwargs):
+        if is_loading and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return orig(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    sharded_state_dict._cpu_shim = True
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
 def apply():

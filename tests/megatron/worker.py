@@ -17,7 +17,6 @@ Modes (each writes ``<out>/rank-<r>.json``):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -28,150 +27,20 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import cpu_shims  # noqa: E402
-
-cpu_shims.apply()
-
+import tiny_gpt  # noqa: E402  (applies the CPU shims)
 import torch  # noqa: E402
 from megatron.core import mpu  # noqa: E402
-from megatron.core.distributed import finalize_model_grads  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.optimizer import get_megatron_optimizer  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.rerun_state_machine import RerunDataIterator  # noqa: E402
-from megatron.core.utils import get_model_config, unwrap_model  # noqa: E402
+from megatron.core.utils import unwrap_model  # noqa: E402
 from megatron.training import checkpointing, get_args  # noqa: E402
-from megatron.training.argument_utils import core_transformer_config_from_args  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.initialize import _set_random_seed, initialize_megatron  # noqa: E402
-from megatron.training.training import (  # noqa: E402
-    get_megatron_optimizer_config,
-    get_model,
-    get_optimizer_param_scheduler,
-    train_step,
-)
+from megatron.training.initialize import initialize_megatron  # noqa: E402
+from tiny_gpt import LAYOUTS, build, cpu_shims, digest, train  # noqa: E402,F401
 
 from flashckpt_integrations.adapters import megatron as flash_megatron  # noqa: E402
 
-LAYOUTS = {
-    "tp2": ["--tensor-model-parallel-size", "2"],
-    "pp2": ["--pipeline-model-parallel-size", "2"],
-    "dp2": ["--use-distributed-optimizer"],
-    "dp2plain": [],
-    "ep2": ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
-            "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"],
-}
 
-
-def megatron_argv(layout: str, ckpt: str, *, layers: int = 2, hidden: int = 64, vocab: int = 128) -> list[str]:
-    return [
-        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "4",
-        "--ffn-hidden-size", str(2 * hidden), "--seq-length", "32", "--max-position-embeddings", "32",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--attention-dropout", "0.0",
-        "--hidden-dropout", "0.0",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "100", "--lr", "1e-3",
-        "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--optimizer", "adam",
-        "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
-        "--transformer-impl", "local", "--use-cpu-initialization", "--distributed-backend", "gloo",
-        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-        "--no-bias-dropout-fusion", "--no-persist-layer-norm",
-        "--save", ckpt, "--load", ckpt, "--ckpt-format", "torch", "--save-interval", "1",
-        *LAYOUTS[layout],
-    ]
-
-
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    args = get_args()
-    cfg = core_transformer_config_from_args(args)
-    spec = (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, vp_stage=vp_stage) if args.num_experts
-            else get_gpt_layer_local_spec())
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
-                    post_process=post_process, parallel_output=True,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type=args.position_embedding_type, pg_collection=pg_collection,
-                    vp_stage=vp_stage)
-
-
-def build(seed: int):
-    """Model, optimizer and scheduler as ``setup_model_and_optimizer`` builds them (without its load)."""
-    with cpu_shims.fake_cuda_device_count():  # seeds the model-parallel RNG tracker too
-        _set_random_seed(seed)
-    args = get_args()
-    model = get_model(model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=True)
-    opt_config, overrides = get_megatron_optimizer_config(args)
-    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=overrides,
-                                       use_gloo_process_groups=args.use_gloo_process_groups)
-    # what megatron.training.train() sets up: without it gradients are never reduced across
-    # data-parallel ranks, nor the tied embeddings across pipeline stages
-    config = get_model_config(model[0])
-    config.grad_scale_func = optimizer.scale_loss
-    if config.finalize_model_grads_func is None:
-        config.finalize_model_grads_func = finalize_model_grads
-    return model, optimizer, get_optimizer_param_scheduler(optimizer)
-
-
-def batches(iteration: int):
-    """The micro-batches of one iteration: a function of the iteration and the data-parallel rank only."""
-    args = get_args()
-    g = torch.Generator().manual_seed(1000 * iteration + mpu.get_data_parallel_rank())
-    while True:
-        yield torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
-
-
-def forward_step(data_iterator, model):
-    args = get_args()
-    data = next(data_iterator)
-    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    position_ids = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, None, labels=labels)
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().sum()
-        n = torch.tensor(output_tensor.numel(), dtype=torch.int)
-        return loss, n, {"lm loss": torch.stack([loss.detach(), n.float()])}
-
-    return output, loss_func
-
-
-def train(model, optimizer, scheduler, first: int, last: int, save=None) -> None:
-    """Iterations ``first``..``last`` with Megatron's own ``train_step``; ``save(iteration)`` after each one."""
-    args = get_args()
-    fwd_bwd = get_forward_backward_func()
-    config = get_model_config(model[0])
-    for iteration in range(first, last + 1):
-        data = RerunDataIterator(batches(iteration))  # as train() wraps its iterator
-        _, skipped, *_ = train_step(forward_step, [data] if len(model) > 1 else data, model, optimizer, scheduler,
-                                    config, fwd_bwd, iteration=iteration)
-        if skipped:
-            raise RuntimeError(f"iteration {iteration} was skipped")
-        args.consumed_train_samples = getattr(args, "consumed_train_samples", 0) + args.global_batch_size
-        if save is not None:
-            save(iteration)
-
-
-def digest(model, optimizer) -> dict[str, str]:
-    """A checksum per parameter and per optimizer state tensor (bit-exact comparisons across runs)."""
-    out = {}
-    for i, m in enumerate(model):
-        for name, p in unwrap_model(m).named_parameters():
-            out[f"model{i}.{name}"] = _hash(p)
-    for oi, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
-        inner = opt.optimizer
-        for gi, group in enumerate(inner.param_groups):
-            # (Megatron's distributed-optimizer load adds a 'step' to the groups; torch's Adam never reads it)
-            out[f"opt{oi}.g{gi}"] = repr({k: v for k, v in sorted(group.items()) if k not in ("params", "step")})
-            for pi, p in enumerate(group["params"]):
-                out[f"opt{oi}.g{gi}.p{pi}"] = _hash(p)
-                for key, value in sorted(inner.state.get(p, {}).items()):
-                    out[f"opt{oi}.g{gi}.p{pi}.{key}"] = _hash(value) if torch.is_tensor(value) else repr(value)
-    return out
-
-
-def _hash(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
+def megatron_argv(layout: str, ckpt: str, **sizes: int) -> list[str]:
+    return tiny_gpt.megatron_argv(layout, ckpt, **sizes)
 
 
 def main() -> int:
