@@ -1,6 +1,7 @@
 """``flashckpt``: look at checkpoints on storage and in shared memory, and clean up.
 
-    flashckpt ls DIR               committed steps on storage, steps held in memory per rank, the saver
+    flashckpt ls DIR               committed steps on storage, steps held in memory per rank (local or
+                                   replica, on every node when the job replicates), the saver
     flashckpt inspect DIR STEP     one committed step: ranks, files, sizes, checksums
     flashckpt clean DIR            remove this host's shared memory of the job that saves to DIR
     flashckpt persist DIR          persist and commit the newest step this host's ranks hold in memory
@@ -438,7 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     json_help = "print JSON instead of text"
     ls = _command(sub, "ls", cmd_ls, "committed steps, in-memory snapshots and the saver",
                   "List the committed (and not yet committed) steps in DIR, the steps each rank of this host "
-                  "holds in shared memory, and the job's saver on this host: run directory, log, running or not.")
+                  "holds in shared memory, the replicas of other nodes' ranks this host holds, and the job's saver "
+                  "on this host: run directory, log, running or not. For a job with replicas on, also what each "
+                  "node's saver holds for which ranks, local or replica (asked over the job's authenticated "
+                  "connections), and how each node's newest copies went.")
     ls.add_argument("--json", action="store_true", help=json_help)
     inspect = _command(sub, "inspect", cmd_inspect, "files, sizes and checksums of a committed step",
                        "Show the ranks, files, sizes and CRC32 checksums of one committed step.")

@@ -194,18 +194,37 @@ def placement(node_rank: int, nnodes: int, replicas: int) -> list[int]:
 
 def local_address(toward: str | None) -> str:
     """The address of this host that peers reach: ``$FLASHCKPT_REPLICA_ADDR``, else the interface
-    that routes toward ``toward`` (the job's MASTER_ADDR), else the host name's address."""
+    that routes toward ``toward`` (the job's MASTER_ADDR). A loopback answer counts only when
+    ``toward`` is itself a loopback address (every node on this host, as in tests); otherwise the
+    host's outward interface is taken (the master's name may resolve to 127.0.1.1 on its own host)."""
     explicit = knobs.get(knobs.REPLICA_ADDR)
     if explicit:
         return explicit
-    if toward:
-        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((toward, 9))  # no packet is sent: this only picks the route
-            return probe.getsockname()[0]
+    found = _route_source(toward) if toward else None
+    if found is not None and (not found.startswith("127.") or _is_loopback(toward)):
+        return found
+    for candidate in (_route_source("192.0.2.1"), _host_address()):  # a documentation address: never contacted
+        if candidate is not None and not candidate.startswith("127."):
+            return candidate
+    return found or "127.0.0.1"
+
+
+def _route_source(host: str) -> str | None:
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # no packet is sent: this only picks the route
+        return probe.getsockname()[0]
+    return None
+
+
+def _host_address() -> str | None:
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        return None
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 # --- framing and the handshake ----------------------------------------------------------------------
