@@ -292,9 +292,12 @@ class Replication:
             if accepted is None:
                 return
             channel, node = accepted
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a peer host that vanished is noticed
             with contextlib.closing(channel):
                 while not self._closed:
+                    sock.settimeout(None)  # a peer's connection may idle between copies
                     message = channel.recv()
+                    sock.settimeout(SEND_TIMEOUT_S)  # a copy that stalls is given up: the previous one stays
                     op = message.get("op")
                     if op == "push":
                         self._receive(channel, message, node)
