@@ -27,7 +27,7 @@ WORKER = os.path.join(REPO, "tests", "launcher", "cluster_worker.py")
 SWITCH_LABEL = "example.com/switch"
 SWITCHES = {"host-a": "rack-2", "host-b": "rack-1", "host-c": "rack-2", "host-d": "rack-1"}
 HOSTS = sorted(SWITCHES)
-RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
+RDZV_CONF = "last_call_timeout=5,join_timeout=120"
 
 
 def switch_order(nodes) -> list[str]:
