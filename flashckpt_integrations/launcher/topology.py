@@ -27,7 +27,24 @@ Call order, on every node:
    has in the new round. Node rank 0 logs the order once per round (``last_order``).
 """
 
+# ruff: noqa: E402  (the entry point below comes before the imports)
 from __future__ import annotations
+
+from typing import Any
+
+
+def torchrun_handler() -> Any:
+    """The ``torchrun.handlers`` entry point: torch calls it and registers what it returns.
+
+    Defined before the imports: importing torch's rendezvous package loads its entry points, this
+    one among them, and may do so while this module is still importing it."""
+    return create_rendezvous_handler
+
+
+def create_rendezvous_handler(params: Any) -> Any:
+    """The registry's creator for ``c10d-topology``: :func:`create_handler`."""
+    return create_handler(params)
+
 
 import dataclasses
 import functools
@@ -37,7 +54,7 @@ import os
 import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
@@ -48,6 +65,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _DistributedRendezvousOpExecutor,
     _get_timeout,
 )
+
+from ..errors import MissingDependencyError
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +187,9 @@ def kubernetes_label(node: str, key: str) -> str | None:
 def resolve_switch(node: str, *, switch: str | None = None, topology_file: str | None = None,
                    topology_key: str | None = None) -> str | None:
     """This node's switch from the first source given; ``None`` (and a warning) when that source
-    does not know the node. A topology file that cannot be read raises ``ValueError``."""
+    does not know the node or the Kubernetes API does not answer. A topology file that cannot be
+    read, or no Kubernetes credentials, raise ``ValueError``; no ``kubernetes`` package raises
+    :class:`~flashckpt_integrations.errors.MissingDependencyError`."""
     if switch:
         return switch
     if topology_file:
@@ -183,7 +204,9 @@ def resolve_switch(node: str, *, switch: str | None = None, topology_file: str |
     if topology_key:
         try:
             found = kubernetes_label(node, topology_key)
-        except Exception as exc:  # the job runs anyway, in torch's order for this node
+        except (MissingDependencyError, ValueError):  # no client, no credentials: fix the setup
+            raise
+        except Exception as exc:  # the API did not answer: the job runs anyway, in torch's order for this node
             logger.warning("Cannot read label %s of Kubernetes node %r (%s: %s); its ranks come after the known "
                            "switches'. The pod needs $%s from the downward API (spec.nodeName) and RBAC 'get' on "
                            "nodes.", topology_key, node, type(exc).__name__, exc, NODE_NAME_ENV)
@@ -337,13 +360,9 @@ def create_handler(params: RendezvousParameters) -> TopologyRendezvousHandler:
 
 
 def register() -> None:
-    """Register ``c10d-topology`` with torch's rendezvous registry (again is fine)."""
-    handler_registry.register(BACKEND, create_handler)
-
-
-def torchrun_handler() -> Callable[[RendezvousParameters], TopologyRendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torch calls it and registers what it returns."""
-    return create_handler
+    """Register ``c10d-topology`` with torch's rendezvous registry (again is fine, and so is after
+    the ``torchrun.handlers`` entry point registered it)."""
+    handler_registry.register(BACKEND, create_rendezvous_handler)
 
 
 def configure(config: Any, *, node: str | None = None, switch: str | None = None, topology_file: str | None = None,
@@ -353,7 +372,8 @@ def configure(config: Any, *, node: str | None = None, switch: str | None = None
     place, or ``None`` (and leave ``config`` as it is) when there is no topology information.
 
     Raises ``ValueError`` when the rendezvous backend cannot order ranks (``static`` fixes them
-    with ``--node-rank``, ``etcd`` is not wrapped) or the topology file cannot be read.
+    with ``--node-rank``, ``etcd`` is not wrapped) or a source cannot be used (see
+    :func:`resolve_switch`).
     """
     switch = switch or os.environ.get(SWITCH_ENV)
     topology_file = topology_file or os.environ.get(FILE_ENV)

@@ -7,13 +7,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.launcher.api import LaunchConfig
 
+from flashckpt_integrations.errors import MissingDependencyError
 from flashckpt_integrations.launcher import topology
 from flashckpt_integrations.launcher.topology import NodeOrder, Place
+from tests.distributed.launch import REPO
 from tests.k8s_api_server import KubernetesApiTestServer
 from tests.launcher import cluster
 
@@ -55,6 +60,21 @@ def test_a_kubernetes_node_label_names_the_switch(tmp_path, monkeypatch, caplog)
         finally:
             node_failure._kubernetes_core_api.cache_clear()
     assert "has no label example.com/switch" in caplog.text and "Cannot read label" in caplog.text
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # a setup to fix, said at the start
+    with pytest.raises(MissingDependencyError, match="flashckpt-integrations\\[kubernetes\\]"):
+        topology.resolve_switch("host-a", topology_key=cluster.SWITCH_LABEL)
+    node_failure._kubernetes_core_api.cache_clear()
+
+
+def test_plain_torchrun_finds_the_backend_through_its_entry_point():
+    # Imported first, the module makes torch load the torchrun.handlers entry points mid-import.
+    code = ("import flashckpt_integrations.launcher.topology as t\n"
+            "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as r\n"
+            "print(r._registry.get('c10d-topology') is t.create_rendezvous_handler)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stdout + done.stderr
+    assert "Exception while registering" not in done.stderr, done.stderr
 
 
 def test_order_by_switch_then_name_and_unknown_switches_last_in_torchs_order():
