@@ -7,7 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, set_seed  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments, set_seed  # noqa: E402
 
 SEQ_LEN, N_EXAMPLES, BATCH = 16, 64, 4  # 16 optimizer steps per epoch
 
@@ -52,3 +52,14 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"parameters differ: {different}"
+
+
+class FailAt(TrainerCallback):
+    """Raise (a failure in the training loop, not a crash) at the end of optimizer step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("injected failure")

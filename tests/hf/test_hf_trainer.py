@@ -24,7 +24,7 @@ from flashckpt_integrations.adapters import hf_trainer  # noqa: E402
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
 from tests.helpers import marker_names, run_python  # noqa: E402
-from tests.hf.common import assert_bitwise_equal, make_trainer, parameters  # noqa: E402
+from tests.hf.common import FailAt, assert_bitwise_equal, make_trainer, parameters  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -156,22 +156,13 @@ def test_ddp_two_ranks_kill_rank0_resumes_from_memory_bit_exact(tmp_path, privat
     assert os.listdir(private_shm_dir) == []
 
 
-class _FailAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise RuntimeError("injected failure")
-
-
 def test_exception_keeps_memory_and_the_same_trainer_resumes_from_it(tmp_path):
     trainer = make_trainer(FlashCkptTrainer, str(tmp_path / "run"), max_steps=12, save_steps=4,
                            flash_memory_interval=3)
-    trainer.add_callback(_FailAt(10))  # after the memory snapshot of step 9, with step 10 applied
+    trainer.add_callback(FailAt(10))  # after the memory snapshot of step 9, with step 10 applied
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.train()
-    trainer.remove_callback(_FailAt)
+    trainer.remove_callback(FailAt)
     trainer.train(resume_from_checkpoint=True)
     assert trainer.flash_resumed_from == (9, "memory")
     assert checkpoints(tmp_path / "run") == [4, 8, 12]
@@ -201,10 +192,10 @@ def test_save_total_limit_keeps_the_two_newest_committed_checkpoints(tmp_path):
 def test_models_over_the_shard_size_are_split_like_save_pretrained(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_trainer, "MAX_SHARD_SIZE", "200KB")
     trainer = make_trainer(FlashCkptTrainer, str(tmp_path / "run"), max_steps=8, save_steps=4, flash_memory_interval=3)
-    trainer.add_callback(_FailAt(7))
+    trainer.add_callback(FailAt(7))
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.train()
-    trainer.remove_callback(_FailAt)
+    trainer.remove_callback(FailAt)
     trainer.train(resume_from_checkpoint=True)  # weights restored from the sharded memory snapshot
     assert trainer.flash_resumed_from == (6, "memory")
     names = sorted(os.listdir(tmp_path / "run" / "checkpoint-4"))

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers import Trainer  # noqa: E402
 
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
-from tests.hf.common import assert_bitwise_equal, make_trainer, parameters  # noqa: E402
+from tests.hf.common import FailAt, assert_bitwise_equal, make_trainer, parameters  # noqa: E402
 from tests.hf.extra_state import ROLLOUT_STATE, CountSteps, StepCounter, steps_seen_name  # noqa: E402
 
 
@@ -25,15 +25,6 @@ class FlashStepCounter(FlashCkptTrainer, StepCounter):
 
 class OwnStepCounter(CountSteps, FlashCkptTrainer):
     """A user's own subclass of FlashCkptTrainer."""
-
-
-class _FailAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise RuntimeError("injected failure")
 
 
 def checkpoints(output_dir) -> list[int]:
@@ -49,7 +40,7 @@ def _read(path) -> dict:
 def test_a_subclass_state_survives_a_memory_resume_and_a_storage_resume(tmp_path, cls):
     out = tmp_path / "run"
     trainer = make_trainer(cls, str(out), max_steps=12, save_steps=4, flash_memory_interval=3)
-    trainer.add_callback(_FailAt(10))  # after the memory-only snapshot of step 9
+    trainer.add_callback(FailAt(10))  # after the memory-only snapshot of step 9
     stock_writers = [mock.patch.object(Trainer, name, autospec=True, side_effect=AssertionError(name))
                      for name in ("save_model", "_save_optimizer_and_scheduler")]
     for writer in stock_writers:  # the snapshot holds the weights and the optimizer: never written twice
@@ -57,7 +48,7 @@ def test_a_subclass_state_survives_a_memory_resume_and_a_storage_resume(tmp_path
     try:
         with pytest.raises(RuntimeError, match="injected failure"):
             trainer.train()
-        trainer.remove_callback(_FailAt)
+        trainer.remove_callback(FailAt)
         trainer.steps_seen = -100  # whatever the failed run left: the resume must load it
         trainer.train(resume_from_checkpoint=True)
     finally:
@@ -106,11 +97,11 @@ class SavesByItself(CountSteps, FlashCkptTrainer):
 
 def test_a_subclass_that_skips_super_keeps_what_it_writes_and_resumes_from_memory(tmp_path, caplog):
     trainer = make_trainer(SavesByItself, str(tmp_path / "run"), max_steps=8, save_steps=4, flash_memory_interval=3)
-    trainer.add_callback(_FailAt(7))
+    trainer.add_callback(FailAt(7))
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.train()
     assert "SavesByItself._save_checkpoint does not call super()._save_checkpoint()" in caplog.text
-    trainer.remove_callback(_FailAt)
+    trainer.remove_callback(FailAt)
     trainer.train(resume_from_checkpoint=True)
     assert trainer.flash_resumed_from == (6, "memory")
     assert (trainer.steps_seen, trainer.rollout_resumed) == (8, {"step": 6})

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
-from tests.hf.common import assert_bitwise_equal, parameters  # noqa: E402
+from tests.hf.common import FailAt, assert_bitwise_equal, parameters  # noqa: E402
 from tests.hf.extra_state import ROLLOUT_STATE, steps_seen_name  # noqa: E402
 from tests.hf.trl_script import make_trainer, trainer_class  # noqa: E402
 
@@ -131,22 +131,13 @@ def test_sft_two_ranks_with_state_of_its_own_resumes_it_from_memory_on_every_ran
     assert (ours / "README.md").exists()
 
 
-class _FailAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise RuntimeError("injected failure")
-
-
 def test_dpo_resumes_from_a_memory_snapshot_after_a_failure_as_the_stock_run_ends(tmp_path):
     flash = make_trainer("dpo", trainer_class("dpo", plain=False, count_steps=True), str(tmp_path / "flash" / "out"),
                          max_steps=8, save_steps=4, flash_memory_interval=3)
-    flash.add_callback(_FailAt(7))  # after the memory-only snapshot of step 6
+    flash.add_callback(FailAt(7))  # after the memory-only snapshot of step 6
     with pytest.raises(RuntimeError, match="injected failure"):
         flash.train()
-    flash.remove_callback(_FailAt)
+    flash.remove_callback(FailAt)
     flash.train(resume_from_checkpoint=True)
     assert flash.flash_resumed_from == (6, "memory")
     assert (flash.steps_seen, flash.rollout_resumed) == (8, {"step": 6})
@@ -178,10 +169,10 @@ def test_grpo_adaptive_entropy_state_survives_a_memory_resume(tmp_path):
             coefficients[state.global_step] = flash.entropy_coef
 
     flash.add_callback(Record())
-    flash.add_callback(_FailAt(5))  # after the memory-only snapshot of step 4
+    flash.add_callback(FailAt(5))  # after the memory-only snapshot of step 4
     with pytest.raises(RuntimeError, match="injected failure"):
         flash.train()
-    flash.remove_callback(_FailAt)
+    flash.remove_callback(FailAt)
     flash.entropy_coef = -1.0  # whatever the failed run left: the resume must load it
     flash.train(resume_from_checkpoint=True)
     assert flash.flash_resumed_from == (4, "memory")
