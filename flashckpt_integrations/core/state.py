@@ -501,6 +501,7 @@ class _AllowlistUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         import _compat_pickle
+
         from torch import _weights_only_unpickler as wou
 
         if (module, name) in _compat_pickle.NAME_MAPPING:  # protocol-2 names (__builtin__.set), as pickle maps them
