@@ -1,0 +1,530 @@
+#!/usr/bin/env python3
+"""Goodput under failures: one 2-rank CPU training job run for a fixed wall-clock budget while a
+seeded exponential process kills it, restarted by its launcher each time.
+
+    python benchmarks/bench_goodput.py --quick                   # a few minutes
+    python benchmarks/bench_goodput.py --budget-s 120 --mtbf 10 20 40 80 --repeats 3 --json out.json
+    python benchmarks/bench_goodput.py --model [--from-json out.json] [--storage-gbps 2000]
+
+Configurations, round-robin in each repeat (the ceiling once per repeat, the others once per MTBF):
+
+- ``none``: no checkpointing, no failures: the ceiling.
+- ``torch.save``: rank 0 writes ``torch.save`` + fsync (temporary file, then rename) every N steps,
+  N at the Young/Daly optimum ``sqrt(2 * C * MTBF)`` for the measured save cost C and step time;
+  restarted by ``torchrun --max-restarts``.
+- ``flashckpt``: a memory snapshot every step (``--snapshot-every`` k), persisted every N steps (the same N), under
+  ``flashckpt-run``.
+- Peer replicas (``replicas=1``) need two simulated nodes, two agents on a 2-core host; they are
+  not measured here (see the note printed with the table), only modelled by ``--model``.
+
+Failures: after each (re)start, once the job has completed its first step, the next failure comes
+after an exponential time with mean ``--mtbf`` of training (the clock runs while the job trains).
+It SIGKILLs a random rank; a share ``--node-loss`` of the failures are node losses that also kill
+the node's saver and empty its shared-memory directory. The same seed gives every configuration
+the same draws.
+
+The budget runs from the job's first completed step (the first start costs every configuration
+the same). Goodput = useful steps (the highest step completed within the budget, so redone steps
+do not count) / the steps the ceiling completes in the same budget. Per failure: lost work (steps
+redone), restart time (kill to the end of the first step after it, and process start to first
+step), split into launcher (kill to worker process start), interpreter and imports, process
+group, checkpointer (model built, saver connected), load and first step, from timestamps that the
+workers record. The stall per checkpoint is the time the save holds the training loop.
+
+Every step is a pure function of (seed, step, rank) and the state restored, so every
+configuration must reproduce the ceiling's parameters: rank 0 records a CRC-32 of the parameters
+after every step, and each is compared with the ceiling's at the same step (redone steps too).
+"""
+
+from __future__ import annotations
+
+import time
+
+WALL0 = time.time()  # the worker's script starts (before torch is imported)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import zlib  # noqa: E402
+from typing import Any  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("none", "torch.save", "flashckpt")
+WORLD = 2
+
+
+# --- the worker (one rank, under torchrun or flashckpt-run) -------------------------------------
+
+
+def _process_start_wall() -> float:
+    """Wall-clock time this process was created (10 ms resolution), from /proc."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def worker(args: argparse.Namespace) -> None:
+    proc_start = _process_start_wall()
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if args.mode == "flashckpt":
+        from flashckpt_integrations import Checkpointer
+    t_imports = time.time()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t_pg = time.time()
+    torch.manual_seed(args.seed)
+    model = DDP(nn.Sequential(nn.Linear(784, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
+                              nn.ReLU(), nn.Linear(args.hidden, 10)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t_model = time.time()  # DDP's constructor also waits for the other rank
+    ck = Checkpointer(args.ckpt, optimizers=[optimizer]) if args.mode == "flashckpt" else None
+    t_ck = time.time()
+    start, source = 1, "scratch"
+    path = os.path.join(args.ckpt, "model.pt")
+    if ck is not None:
+        res = ck.load()
+        if res is not None:
+            state, source = res.state, res.source
+    elif args.mode == "torch.save" and os.path.exists(path):
+        state, source = torch.load(path, weights_only=True), "storage"
+    if source != "scratch":
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"]) + 1
+    t_load = time.time()
+    fd = os.open(os.path.join(args.rec, f"rank-{rank}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def record(**fields: Any) -> None:
+        os.write(fd, (json.dumps(fields, separators=(",", ":")) + "\n").encode())
+
+    record(e="start", pid=os.getpid(), resumed=start - 1, source=source, proc=proc_start, py=WALL0,
+           imports=t_imports, pg=t_pg, model=t_model, ck=t_ck, load=t_load)
+    params = list(model.module.parameters())
+    gen = torch.Generator()
+    parent = os.getppid()
+    for step in range(start, 1 << 40):
+        if step % 50 == 0 and (os.getppid() != parent or time.time() > args.until):
+            os._exit(0)  # the launcher is gone or the run is over: never outlive the run
+        gen.manual_seed(args.seed * 1_000_003 + step * 1_009 + rank)
+        x = torch.randn(args.batch_size, 784, generator=gen)
+        y = torch.randint(0, 10, (args.batch_size,), generator=gen)
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+        if ck is not None and step == start:
+            ck.prepare(state)  # sizes the slots off the clock of every later save
+        stall = None
+        persist = step % args.every == 0
+        if ck is not None and step % args.snapshot_every == 0 or persist and args.mode == "torch.save":
+            t0 = time.perf_counter()
+            if ck is not None:
+                result = ck.save(step, state, persist=persist)
+                if not result.ok:
+                    raise RuntimeError(f"save of step {step} {result.status.value}: {result.reason}")
+            elif rank == 0:
+                tmp = path + ".tmp"
+                with open(tmp, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            stall = time.perf_counter() - t0
+        if rank == 0:
+            crc = 0
+            for p in params:
+                crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
+            record(e="s", s=step, t=time.time(), c=crc, **({"k": stall, "p": int(persist)} if stall else {}))
+
+
+# --- the driver ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget-s", type=float, default=120.0, help="wall-clock seconds per run")
+    p.add_argument("--mtbf", type=float, nargs="+", default=[10.0, 20.0, 40.0, 80.0], help="seconds of training")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--node-loss", type=float, default=0.25, help="share of failures that lose the node")
+    p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--hidden", type=int, default=512, help="MLP width (512: 0.67M parameters)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--quick", action="store_true", help="--budget-s 30 --mtbf 10 20 40 --repeats 1")
+    p.add_argument("--json", default=None, help="write every run and the summary here")
+    p.add_argument("--plot", default=os.path.join(REPO, "benchmarks", "goodput.png"))
+    p.add_argument("--model", action="store_true", help="print the analytic model at 1k-64k GPUs and exit")
+    p.add_argument("--from-json", default=None, help="--model: calibrate from this --json output")
+    p.add_argument("--storage-gbps", type=float, default=2000.0, help="--model: aggregate storage GB/s")
+    # worker options (set by the driver)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=CONFIGS, default="none", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rec", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--every", type=int, default=1 << 40, help=argparse.SUPPRESS)
+    p.add_argument("--snapshot-every", type=int, default=1, help="flashckpt: a memory snapshot every k steps")
+    p.add_argument("--until", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.budget_s, args.mtbf, args.repeats = 30.0, [10.0, 20.0, 40.0], 1
+    return args
+
+
+def _state_and_save_cost(args: argparse.Namespace, where: str) -> tuple[int, float]:
+    """Bytes of the training state and the median time of torch.save + fsync of it (rank 0's save)."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(784, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+                          nn.Linear(args.hidden, 10))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 784)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+    path, times = os.path.join(where, "probe.pt"), []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        times.append(time.perf_counter() - t0)
+    os.unlink(path)
+    size = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # params + Adam's two moments
+    return size, statistics.median(times[2:])
+
+
+class Run:
+    """One launch of the job for ``budget`` seconds, with failures injected; its records parsed."""
+
+    def __init__(self, args: argparse.Namespace, config: str, mtbf: float | None, every: int, seed: int) -> None:
+        self.args, self.config, self.mtbf, self.every = args, config, mtbf, every
+        self.rng = random.Random(seed)
+        self.dir = tempfile.mkdtemp(prefix="gp-")  # short: a saver's socket path must fit in 108 bytes
+        self.shm = tempfile.mkdtemp(prefix="gp-", dir="/dev/shm")
+        self.ckpt, self.rec = os.path.join(self.dir, "ckpt"), os.path.join(self.dir, "rec")
+        os.makedirs(self.ckpt)
+        os.makedirs(self.rec)
+        os.makedirs(os.path.join(self.dir, "run"), mode=0o700)
+        self.steps: list[dict] = []  # rank 0's step records, in order
+        self.starts: list[list[dict]] = [[] for _ in range(WORLD)]
+        self.failures: list[dict] = []
+        self._offsets = [0] * WORLD
+        self.first_step: float | None = None
+
+    def command(self) -> list[str]:
+        opts = ["--standalone", f"--nproc-per-node={WORLD}", "--max-restarts=100000", "--monitor-interval=0.1"]
+        if self.config == "flashckpt":
+            launcher = [sys.executable, "-m", "flashckpt_integrations.launcher.run", "--checkpoint-dir", self.ckpt]
+        else:
+            launcher = [sys.executable, "-m", "torch.distributed.run"]
+        return [*launcher, *opts, os.path.abspath(__file__), "--worker", "--mode", self.config, "--ckpt", self.ckpt,
+                "--rec", self.rec, "--every", str(self.every), "--hidden", str(self.args.hidden),
+                "--batch-size", str(self.args.batch_size), "--seed", str(self.args.seed),
+                "--snapshot-every", str(self.args.snapshot_every), "--until", str(self.t0 + self.args.budget_s + 120)]
+
+    def _poll(self) -> None:
+        for rank in range(WORLD):
+            path = os.path.join(self.rec, f"rank-{rank}.jsonl")
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                f.seek(self._offsets[rank])
+                data = f.read()
+            end = data.rfind("\n") + 1
+            self._offsets[rank] += len(data[:end].encode())
+            for line in data[:end].splitlines():
+                r = json.loads(line)
+                if r["e"] == "start":
+                    self.starts[rank].append(r)
+                else:
+                    self.steps.append(r)
+
+    def _savers(self) -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if b"core.saver" in f.read() and self._env_has(entry):
+                            pids.append(int(entry))
+                except OSError:
+                    continue
+        return pids
+
+    def _env_has(self, pid: str) -> bool:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"FLASHCKPT_RUN_DIR={self.dir}/run".encode() in f.read()
+
+    def _inject(self) -> None:
+        rank, node = self.rng.randrange(WORLD), self.rng.random() < self.args.node_loss
+        with_pid = self.starts[rank][-1]["pid"]
+        t = time.time()
+        os.kill(with_pid, signal.SIGKILL)
+        if node:
+            for pid in self._savers():
+                os.kill(pid, signal.SIGKILL)
+            for entry in os.scandir(self.shm):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+        self.failures.append({"t": t, "rank": rank, "node": node, "starts": len(self.starts[0])})
+
+    def execute(self) -> "Run":
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": self.shm,
+               "FLASHCKPT_RUN_DIR": os.path.join(self.dir, "run"), "FLASHCKPT_SAVER_IDLE_EXIT": "30",
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        log = open(os.path.join(self.dir, "launcher.log"), "w")
+        self.t0 = time.time()
+        proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline, next_failure = float("inf"), None
+        try:
+            while time.time() < deadline and proc.poll() is None:
+                time.sleep(0.02)
+                self._poll()
+                if self.steps and self.first_step is None:
+                    self.first_step = self.steps[0]["t"]  # the budget runs from here: the first start is alike
+                    deadline = self.first_step + self.args.budget_s
+                if self.first_step is None and time.time() > self.t0 + 120:
+                    raise RuntimeError(f"{self.config}: no step completed in 120 s; see {self.dir}/launcher.log")
+                if self.mtbf is None or not self.steps:
+                    continue
+                # Ready once every rank of the attempt started after the last failure has completed a step
+                # (a step of the killed attempt can still end just after the kill).
+                latest = [rs[-1]["proc"] for rs in self.starts if rs]
+                since = self.failures[-1]["t"] - 0.05 if self.failures else 0.0
+                ready = len(latest) == WORLD and min(latest) > since and self.steps[-1]["t"] > max(latest)
+                if next_failure is None and ready:
+                    first = next(s["t"] for s in self.steps if s["t"] > max(latest))
+                    next_failure = first + self.rng.expovariate(1.0 / self.mtbf)
+                if next_failure is not None and time.time() >= next_failure:
+                    self._inject()
+                    next_failure = None
+        finally:
+            with_rc = proc.poll()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            self._poll()
+            for pid in {r["pid"] for starts in self.starts for r in starts}:  # workers have their own sessions
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for pid in self._savers():
+                os.kill(pid, signal.SIGKILL)
+            log.close()
+            self._poll()
+            if with_rc is not None:
+                with open(os.path.join(self.dir, "launcher.log")) as f:
+                    tail = f.read()[-3000:]
+                raise RuntimeError(f"{self.config}: the launcher exited early ({with_rc}):\n{tail}")
+            shutil.rmtree(self.dir, ignore_errors=True)
+            shutil.rmtree(self.shm, ignore_errors=True)
+        return self
+
+    def summary(self, reference: dict[int, int]) -> dict[str, Any]:
+        deadline = self.first_step + self.args.budget_s
+        useful = max((s["s"] for s in self.steps if s["t"] <= deadline), default=0)
+        checked = [s for s in self.steps if s["s"] in reference]
+        events = []
+        for f in self.failures:
+            starts = [next((r for r in rs if r["proc"] > f["t"] - 0.05), None) for rs in self.starts]
+            if None in starts:
+                continue  # the budget ended during this restart
+            r0, relaunched = starts[0], min(r["proc"] for r in starts)  # no step of the killed attempt ends later
+            after = [s for s in self.steps if s["t"] > relaunched]
+            if not after:
+                continue
+            first = after[0]
+            last = max((s["s"] for s in self.steps if s["t"] < relaunched), default=0)
+            events.append({
+                "node": f["node"], "lost_steps": last - r0["resumed"], "source": r0["source"],
+                "restart_s": first["t"] - f["t"], "proc_to_first_step_s": first["t"] - relaunched,
+                "launcher_s": relaunched - f["t"], "imports_s": r0["imports"] - r0["proc"],
+                "process_group_s": r0["pg"] - r0["imports"], "model_s": r0["model"] - r0["pg"],
+                "checkpointer_s": r0["ck"] - r0["model"],
+                "load_s": r0["load"] - r0["ck"], "first_step_s": first["t"] - r0["load"]})
+        stalls = [s["k"] for s in self.steps if "k" in s]
+        times = [b["t"] - a["t"] for a, b in zip(self.steps, self.steps[1:]) if b["s"] == a["s"] + 1]
+        plain = [b["t"] - a["t"] for a, b in zip(self.steps, self.steps[1:]) if b["s"] == a["s"] + 1 and "k" not in b]
+        clean = statistics.median(plain) if plain else (statistics.median(times) - statistics.median(stalls)
+                                                         if times and stalls else None)
+        return {"config": self.config, "mtbf": self.mtbf, "every": self.every, "useful_steps": useful,
+                "own_goodput": useful * clean / self.args.budget_s if clean else None,
+                "failures": len(self.failures), "node_losses": sum(f["node"] for f in self.failures),
+                "unfinished_restarts": len(self.failures) - len(events), "events": events,
+                "stall_s": statistics.median(stalls) if stalls else None,
+                "persist_stall_s": statistics.median([s["k"] for s in self.steps if s.get("p")] or [0.0]) or None,
+                "step_s": statistics.median(times) if times else None,
+                "checked_steps": len(checked), "mismatches": sum(reference[s["s"]] != s["c"] for s in checked)}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    base = tempfile.mkdtemp(prefix="gp-probe-")
+    state_bytes, save_cost = _state_and_save_cost(args, base)
+    shutil.rmtree(base, ignore_errors=True)
+    print(f"state {state_bytes / 2**20:.1f} MiB per rank; torch.save+fsync C = {save_cost * 1e3:.1f} ms", flush=True)
+    runs: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for rep in range(args.repeats):
+        ceiling = Run(args, "none", None, 1 << 40, 0).execute()
+        reference = {s["s"]: s["c"] for s in ceiling.steps}
+        summary = ceiling.summary(reference)
+        step_s = summary["step_s"]
+        runs.append({**summary, "repeat": rep, "ceiling_steps": summary["useful_steps"]})
+        print(f"[{time.monotonic() - started:5.0f}s] repeat {rep} ceiling: {summary['useful_steps']} steps, "
+              f"{step_s * 1e3:.1f} ms/step", flush=True)
+        for mtbf in args.mtbf:
+            every = max(1, round(math.sqrt(2 * save_cost * mtbf) / step_s))
+            for config in CONFIGS[1:]:
+                seed = args.seed * 7919 + rep * 104_729 + int(mtbf * 1000)
+                s = Run(args, config, mtbf, every, seed).execute().summary(reference)
+                s.update(repeat=rep, ceiling_steps=summary["useful_steps"],
+                         goodput=s["useful_steps"] / summary["useful_steps"])
+                runs.append(s)
+                print(f"[{time.monotonic() - started:5.0f}s] repeat {rep} {config:10s} MTBF {mtbf:4.0f}s N={every}: "
+                      f"goodput {s['goodput']:.3f}, {s['failures']} failures, {s['mismatches']} CRC mismatches "
+                      f"in {s['checked_steps']} steps", flush=True)
+    return {"state_bytes": state_bytes, "torch_save_s": save_cost, "budget_s": args.budget_s,
+            "node_loss": args.node_loss, "runs": runs, "seconds": time.monotonic() - started}
+
+
+def _med(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    values = [v for v in values if v is not None]
+    return fmt.format(statistics.median(values) * scale) if values else "-"
+
+
+def report(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    lines = ["| config | MTBF s | N | goodput (mean ± sd) | own-rate goodput | failures | useful steps | lost steps/failure | "
+             "restart s (kill→step) | proc start→step s | stall/ckpt ms | persist stall ms | CRC check |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    ceil = [r for r in runs if r["config"] == "none"]
+    lines.append(f"| none (ceiling) | - | - | 1.000 | {_med([r['own_goodput'] for r in ceil], fmt='{:.3f}')} | 0 | {_med([r['useful_steps'] for r in ceil], fmt='{:.0f}')} "
+                 f"| - | - | - | - | - | reference |")
+    parts = ("launcher_s", "imports_s", "process_group_s", "model_s", "checkpointer_s", "load_s", "first_step_s")
+    breakdown = []
+    for config in CONFIGS[1:]:
+        for mtbf in sorted({r["mtbf"] for r in runs if r["config"] == config}):
+            rs = [r for r in runs if r["config"] == config and r["mtbf"] == mtbf]
+            g = [r["goodput"] for r in rs]
+            ev = [e for r in rs for e in r["events"]]
+            sd = statistics.stdev(g) if len(g) > 1 else 0.0
+            check = "OK" if all(r["mismatches"] == 0 for r in rs) else "MISMATCH"
+            check += f" ({sum(r['checked_steps'] for r in rs)} steps)"
+            lines.append(
+                f"| {config} | {mtbf:.0f} | {rs[0]['every']} | {statistics.fmean(g):.3f} ± {sd:.3f} | "
+                f"{_med([r['own_goodput'] for r in rs], fmt='{:.3f}')} | "
+                f"{sum(r['failures'] for r in rs)} ({sum(r['node_losses'] for r in rs)} node, "
+                f"{sum(r['unfinished_restarts'] for r in rs)} cut by the budget) | "
+                f"{_med([r['useful_steps'] for r in rs], fmt='{:.0f}')} | "
+                f"{_med([e['lost_steps'] for e in ev], fmt='{:.0f}')} | {_med([e['restart_s'] for e in ev])} | "
+                f"{_med([e['proc_to_first_step_s'] for e in ev])} | {_med([r['stall_s'] for r in rs], 1e3)} | "
+                f"{_med([r['persist_stall_s'] for r in rs], 1e3)} | {check} |")
+        ev = [e for r in runs if r["config"] == config for e in r["events"]]
+        for kind, sel in (("process", [e for e in ev if not e["node"]]), ("node", [e for e in ev if e["node"]])):
+            if sel:
+                srcs = sorted({e["source"] for e in sel})
+                breakdown.append(f"| {config} | {kind} ({len(sel)}) | {'/'.join(srcs)} | " +
+                                 " | ".join(_med([e[p] for e in sel]) for p in parts) +
+                                 f" | {_med([e['restart_s'] for e in sel])} |")
+    lines += ["", "Restart time by part, medians over failures (s):", "",
+              "| config | failure (n) | resumed from | launcher | interpreter+imports | process group | "
+              "model+DDP | checkpointer | load | first step | total |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+              *breakdown]
+    lines += ["", "goodput: useful steps / the ceiling's steps in the same repeat. own-rate goodput: useful steps x "
+              "this run's median step time without a save / the budget (the share of the budget spent on steps "
+              "that count, at the run's own speed: on a shared host it does not see the load drift between runs)."]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for config, marker in zip(CONFIGS[1:], "os"):
+        mtbfs = sorted({r["mtbf"] for r in runs if r["config"] == config})
+        g = [[r["goodput"] for r in runs if r["config"] == config and r["mtbf"] == m] for m in mtbfs]
+        ax.errorbar(mtbfs, [statistics.fmean(x) for x in g], [statistics.stdev(x) if len(x) > 1 else 0 for x in g],
+                    marker=marker, capsize=3, label=config)
+    ax.axhline(1.0, color="grey", linestyle="--", label="none (ceiling)")
+    ax.set_xscale("log")
+    ticks = sorted({r["mtbf"] for r in runs if r["mtbf"]})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("MTBF (s of training)")
+    ax.set_ylabel("goodput (useful steps / ceiling)")
+    ax.set_title(f"2 ranks, CPU, {result['budget_s']:.0f} s runs, {result['node_loss']:.0%} node losses")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+NOTE = ("Peer replicas (replicas=1) are not measured: they need two simulated nodes (two torch elastic agents "
+        "with one rank each, a c10d rendezvous across them) that restart together after every failure, and on a "
+        "2-core host the second agent's restart and the replica copies compete with the training they measure. "
+        "--model gives their modelled goodput.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the run's processes on the way out
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _goodput_model import print_model
+
+    if args.model:
+        calib = None
+        if args.from_json:
+            with open(args.from_json) as f:
+                calib = json.load(f)
+        print_model(calib, args.storage_gbps)
+        return 0
+    result = measure(args)
+    print()
+    print(report(result))
+    print()
+    print(NOTE)
+    bad = [r for r in result["runs"] if r["mismatches"]]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    try:
+        plot(result, args.plot)
+        print(f"plot: {args.plot}")
+    except ImportError:
+        print("plot skipped: pip install matplotlib")
+    print(f"{len(result['runs'])} runs in {result['seconds']:.0f} s; "
+          f"parameters {'differ from the ceiling in ' + str(len(bad)) + ' runs' if bad else 'match the ceiling'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
