@@ -266,7 +266,7 @@ class MegatronFlash:
         step_dir = os.path.join(ck.url, LAYOUT.step_path(iteration))
         scratch = tempfile.mkdtemp(prefix="flashckpt-megatron-")
         stand_in = os.path.join(scratch, LAYOUT.step_path(iteration))
-        strategy = _SnapshotStrategy()
+        strategy = _dist.PlanningSaveStrategy()
         context = call.arguments.get("checkpointing_context")
         held = context.pop("save_strategy", None) if isinstance(context, dict) else None  # a stock one from before
         try:
@@ -552,21 +552,6 @@ def _parallel_sizes(margs: Any) -> dict[str, int]:
 def _snapshot_kind(margs: Any) -> dict[str, Any]:
     """What a memory snapshot records about its save, and what a load from it must match."""
     return {**_parallel_sizes(margs), "format": margs.ckpt_format}
-
-
-class _SnapshotStrategy(_dist.TorchDistSaveShardedStrategy):
-    """The ``torch_dist`` save strategy Megatron is given under the patch: its ``save`` plans the
-    shards into files (:func:`~.megatron_core.snapshot_files`) for the checkpointer, and writes nothing."""
-
-    def __init__(self) -> None:
-        super().__init__("torch_dist", 1)
-        self.files: dict[str, Any] = {}
-
-    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
-        self.files = _dist.snapshot_files(sharded_state_dict, keep_only_main_replica=self.keep_only_main_replica)
-
-    def async_save(self, *args: Any, **kwargs: Any) -> Any:  # async_save is off during a patched save
-        raise FlashCkptError("the flash patch saves asynchronously itself; Megatron's async_save must be off")
 
 
 def _needed_files(margs: Any, root: str, step: int) -> list[str]:

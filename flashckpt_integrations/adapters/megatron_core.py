@@ -28,29 +28,35 @@ longer see the checkpoints of the run it resumed.
 Only megatron-core is needed (any release with ``strategies.torch``, 0.16 and newer); for
 Megatron-LM's ``save_checkpoint`` see :mod:`.megatron`, which uses the pieces below for
 ``--ckpt-format torch_dist``: :func:`snapshot_files` (a sharded state dict as the files of a
-``torch_dist`` checkpoint) and :class:`FlashTorchDistLoadShardedStrategy` (``dist_checkpointing.load``
-reading the shards of a memory snapshot, from this rank's slot and from the other ranks').
+``torch_dist`` checkpoint; :class:`PlanningSaveStrategy` hands Megatron's to it) and
+:class:`FlashTorchDistLoadShardedStrategy` (``dist_checkpointing.load`` reading the shards of a
+memory snapshot, from this rank's slot and from the other ranks').
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import logging
 import os
+import pickle
 import re
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..config import CheckpointerConfig
-from ..core.codecs import decode_from_slot
+from ..core.codecs import decode_from_slot, parts_layout
 from ..core.engine import Checkpointer
 from ..core.layout import Layout
 from ..core.results import SaveResult
-from ..core.state import FileSpec
-from ..errors import CheckpointNotFoundError, missing_dependency
+from ..core.state import Codec, FileSpec
+from ..errors import CheckpointNotFoundError, FlashCkptError, missing_dependency
 from . import dcp as flash_dcp
 from ._common import declare_resume, log_save
 
@@ -72,6 +78,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "FlashTorchDistLoadShardedStrategy",
     "FlashTorchDistSaveStrategy",
+    "PlanningSaveStrategy",
     "SnapshotReader",
     "snapshot_files",
     "step_layout",
@@ -183,11 +190,142 @@ def snapshot_files(sharded_state_dict: Any, *, process_group: Any = None,
     Translated and planned as ``TorchDistSaveShardedStrategy`` does (main replicas only, megatron-core's
     planner): ``__<rank>_0.distcp`` and, on the coordinator (rank 0), ``.metadata``. The files hold
     views of the live tensors, for ``Checkpointer.save(files=...)`` before the state changes.
+
+    The first call plans with DCP (collectives that gather every rank's plan); a later call whose
+    shards have the same keys, shapes, offsets and dtypes on every rank (agreed on in one exchange
+    through the store) reuses that plan, and rank 0 only rewrites the offsets of the metadata when a
+    serialized object changed its size.
     """
     state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica)
+    key = (id(process_group), keep_only_main_replica)
+    cached = _plans.get(key)
+    signature = _signature(state)
+    parts = cached.parts(state) if cached is not None and cached.signature == signature else None
+    layout = parts_layout(parts) if parts is not None else None
+    votes = flash_dcp._check_in("megatron_snapshot_files", process_group, flash_dcp.COLLECTIVE_TIMEOUT_S,
+                                vote=[cached.generation if cached else -1, layout])
+    if parts is not None and all(v[0] == cached.generation and v[1] is not None for v in votes):
+        files = {cached.name: FileSpec(parts, Codec.PARTS)}
+        if cached.metadata is not None:
+            files[flash_dcp.METADATA_FILE] = FileSpec(cached.metadata_for([v[1] for v in votes]), Codec.BYTES)
+        return files
     planner = MCoreSavePlanner(dedup_replicated_tensors=not keep_only_main_replica,
                                flatten_state_dict=False, flatten_sharded_tensors=False)
-    return flash_dcp.dcp_files(mcore_to_pyt_state_dict(state, False), process_group=process_group, planner=planner)
+    writer = flash_dcp._SnapshotWriter()
+    flash_dcp.dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner,
+                       process_group=process_group)
+    _plans[key] = _Plan.of(max(v[0] for v in votes) + 1, signature, state, writer)
+    return writer.files
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the last full plan of a rank's shards decided, reused while their structure stays."""
+
+    generation: int
+    signature: tuple
+    name: str
+    sources: list[tuple[str, int, tuple[int, ...]] | tuple[str]] | None
+    """Per part, in file order: ``(key, shard index, shape)`` of a tensor, ``(key,)`` of objects."""
+    layout: list[tuple[int, int]]
+    metadata: bytes | None
+    """Rank 0: the pickled ``.metadata`` of that plan."""
+
+    @classmethod
+    def of(cls, generation: int, signature: tuple, state: dict[str, list[Any]], writer: Any) -> _Plan:
+        sources: list[Any] | None = []
+        parts = writer.files[writer.name].obj
+        for item, part in zip(writer.items, parts):
+            shards = state.get(item.index.fqn, [])
+            if not isinstance(part, torch.Tensor):
+                sources.append((item.index.fqn,))
+                continue
+            found = [i for i, sh in enumerate(shards) if tuple(sh.global_offset) == tuple(item.index.offset or ())]
+            data = shards[found[0]].data if found else None
+            if data is None or part.data_ptr() != data.data_ptr() or not part.is_contiguous() \
+                    or not data.is_contiguous() or part.numel() != data.numel():
+                sources = None  # a part that is not a plain view of a shard: plan every save
+                break
+            sources.append((item.index.fqn, found[0], tuple(part.shape)))
+        metadata = writer.files.get(flash_dcp.METADATA_FILE)
+        return cls(generation, signature, writer.name, sources, writer.layout,
+                   metadata.obj if metadata is not None else None)
+
+    def parts(self, state: dict[str, list[Any]]) -> list[Any] | None:
+        """The parts of this plan over the current shards (views), or None when it cannot be reused."""
+        if self.sources is None:
+            return None
+        out: list[Any] = []
+        for source in self.sources:
+            shards = state[source[0]]
+            if len(source) == 1:  # as megatron-core serializes ShardedObjects (mcore_to_pyt_state_dict)
+                data = io.BytesIO()
+                torch.save([sh.data for sh in shards], data)
+                out.append(data.getvalue())
+            else:
+                out.append(shards[source[1]].data.detach().view(source[2]))
+        return out
+
+    def metadata_for(self, layouts: list[list[list[int]]]) -> bytes:
+        """Rank 0: the ``.metadata`` of this plan with every rank's current offsets and lengths."""
+        assert self.metadata is not None
+        metadata = pickle.loads(self.metadata)
+        by_file: dict[str, list[Any]] = {}
+        for index, info in metadata.storage_data.items():
+            by_file.setdefault(info.relative_path, []).append((info.offset, index, info))
+        changed = False
+        for name, entries in by_file.items():
+            match = _FILE_RANK.fullmatch(name)
+            layout = layouts[int(match.group(1))] if match else None
+            entries.sort(key=lambda e: e[0])
+            if layout is None or len(layout) != len(entries):
+                raise FlashCkptError(f"the cached plan of {name} holds {len(entries)} items, the rank saves "
+                                     f"{None if layout is None else len(layout)}")
+            for (_, index, info), (offset, length) in zip(entries, layout):
+                if (info.offset, info.length) != (offset, length):
+                    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=length)
+                    changed = True
+        if not changed:
+            return self.metadata
+        metadata.storage_meta = dataclasses.replace(metadata.storage_meta, save_id=str(uuid.uuid4())) \
+            if metadata.storage_meta is not None else None
+        return pickle.dumps(metadata)
+
+
+_plans: dict[tuple[int, bool], _Plan] = {}
+_FILE_RANK = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def _signature(state: dict[str, list[Any]]) -> tuple:
+    """Keys, shard shapes, offsets and dtypes of a rank's main replicas (not values)."""
+    parts: list[tuple] = []
+    for key, shards in state.items():
+        for sh in shards:
+            data = getattr(sh, "data", None)
+            if isinstance(data, torch.Tensor):
+                parts.append((key, type(sh).__name__, tuple(sh.global_shape), tuple(sh.global_offset),
+                              tuple(data.shape), data.dtype, getattr(sh, "prepend_axis_num", 0),
+                              getattr(sh, "flattened_range", None), getattr(sh, "axis_fragmentations", None)))
+            else:
+                parts.append((key, type(sh).__name__, tuple(sh.global_shape), tuple(sh.global_offset)))
+    return tuple(parts)
+
+
+class PlanningSaveStrategy(TorchDistSaveShardedStrategy):
+    """A ``torch_dist`` save strategy whose ``save`` plans the shards into ``files``
+    (:func:`snapshot_files`) and writes nothing: for callers that snapshot the files themselves
+    (the Megatron-LM patch gives it to ``save_checkpoint``)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_dist", 1)
+        self.files: dict[str, FileSpec] = {}
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        self.files = snapshot_files(sharded_state_dict, keep_only_main_replica=self.keep_only_main_replica)
+
+    def async_save(self, *args: Any, **kwargs: Any) -> Any:
+        raise FlashCkptError("PlanningSaveStrategy writes nothing, so there is nothing to do asynchronously: "
+                             "call dist_checkpointing.save without async_sharded_save")
 
 
 class SnapshotReader(flash_dcp._MemoryReader):

@@ -148,3 +148,34 @@ def test_a_kill_of_the_saver_and_the_trainers_mid_persist_leaves_the_previous_it
     assert after["tracker"] == "2" and after["iterations"] == ["iter_0000002"]  # iteration 4 never appeared
     assert [n.split(".")[0] for n in after["staging"]] == ["4"]  # its files were being written aside
     # ... and unpatched Megatron loads iteration 2 (test_unpatched_megatron_loads_..., job killpersist)
+
+
+def test_megatrons_persistent_checkpoint_worker_is_not_started_under_the_patch(caplog):
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    from megatron.training import initialize
+
+    from flashckpt_integrations.adapters import megatron as flash_megatron
+
+    stock = initialize.init_persistent_async_worker
+    flash_megatron.patch()
+    try:
+        with caplog.at_level("INFO", logger=flash_megatron.__name__):
+            initialize.init_persistent_async_worker(0, "forkserver")  # what initialize_megatron() calls
+            initialize.init_persistent_async_worker(0, "forkserver")
+        assert PersistentAsyncCaller._persistent_process is None
+        notes = [r for r in caplog.records if "--async-save" in r.getMessage()]
+        assert len(notes) == 1 and notes[0].levelname == "INFO" and "no second copy" in notes[0].getMessage()
+    finally:
+        flash_megatron.unpatch()
+    assert initialize.init_persistent_async_worker is stock
+
+
+def test_the_version_error_names_the_supported_releases_and_what_still_works(monkeypatch):
+    from flashckpt_integrations.adapters import megatron as flash_megatron
+    from flashckpt_integrations.errors import FlashCkptError
+
+    monkeypatch.setattr(flash_megatron._package_info, "__version__", "0.16.1")
+    with pytest.raises(FlashCkptError, match=r"0\.16\.1 is not supported.*0\.19\.x \(the ones that ship "
+                                             r"megatron\.training\).*FlashTorchDistSaveStrategy"):
+        flash_megatron.patch()
+    assert flash_megatron._active is None
