@@ -2,7 +2,7 @@
 
     .venv-megatron/bin/python examples/megatron/demo.py [--workdir DIR] [--reference]
 
-1. runs ``pretrain_gpt.py`` under torchrun (2 ranks, TP=2; CPU + gloo without a GPU) for 12
+1. runs ``pretrain_gpt.py`` under torchrun (2 data-parallel ranks; CPU + gloo without a GPU) for 12
    iterations: a memory snapshot every 2 iterations, persisted to disk every 4. Every rank is
    SIGKILLed right after the (memory-only) save of iteration 6; the newest iteration on disk is 4;
 2. relaunches the same command: Megatron's ``load_checkpoint`` must resume from shared memory at
@@ -159,6 +159,8 @@ def run_demo(workdir: str, timeout: float, reference: bool) -> dict[str, float]:
     if rc == 0:
         raise DemoError(f"the killed run exited with 0. Log: {logs['crash']}")
     print(f"   -> torchrun exited with code {rc}: the job was killed, as intended")
+    if "have no effect under the flash patch" not in out:
+        raise DemoError(f"no note that --async-save is a no-op under the patch. Log: {logs['crash']}")
     # The saver (its own process) outlives the job and finishes persisting iteration LAST_PERSISTED.
     if not wait_until(lambda: tracker(ckpt_dir) == LAST_PERSISTED, 60):
         raise DemoError(f"{ckpt_dir}/{TRACKER} says {tracker(ckpt_dir)} a minute after the kill; expected "
@@ -183,6 +185,10 @@ def run_demo(workdir: str, timeout: float, reference: bool) -> dict[str, float]:
                         f"Log: {logs['relaunch']}\n{_tail(out)}")
     if tracker(ckpt_dir) != TRAIN_ITERS:
         raise DemoError(f"{TRACKER} says {tracker(ckpt_dir)} after the relaunch; expected {TRAIN_ITERS}")
+    files = sorted(os.listdir(os.path.join(ckpt_dir, f"iter_{TRAIN_ITERS:07d}")))
+    if "metadata.json" not in files or ".metadata" not in files:
+        raise DemoError(f"iteration {TRAIN_ITERS} is not a torch_dist checkpoint: {files}")
+    print(f"   -> iter_{TRAIN_ITERS:07d}/ holds Megatron's torch_dist files: {', '.join(files)}")
     print(f"   -> resumed from shared memory at iteration {KILL_AT} (the disk had only {LAST_PERSISTED}), trained "
           f"to {TRAIN_ITERS}, and iteration {TRAIN_ITERS} is committed on disk")
 

@@ -1,4 +1,4 @@
-"""Megatron-LM's own ``pretrain()`` loop with flash checkpoints: a tiny GPT, TP=2, mock data.
+"""Megatron-LM's own ``pretrain()`` loop with flash checkpoints: a tiny GPT on 2 data-parallel ranks, mock data.
 
     torchrun --nproc-per-node 2 examples/megatron/pretrain_gpt.py --ckpt-dir /tmp/ckpt \
         --train-iters 12 [--snapshot-interval 2] [--persist-interval 4] [--kill-at 6] [-- MEGATRON FLAGS...]
@@ -8,11 +8,15 @@ Flash checkpoints are one import and one call (see ``main``)::
     from flashckpt_integrations.adapters import megatron as flash_megatron
     flash = flash_megatron.patch()
 
-Everything else is stock Megatron: ``--non-persistent-save-interval`` (our ``--snapshot-interval``)
-saves go to shared memory only, ``--save-interval`` (our ``--persist-interval``) saves go to
-shared memory and are written to ``--ckpt-dir`` by a background saver, in Megatron's own
-``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`` layout. At start, ``load_checkpoint`` (run by
-``pretrain()``) resumes from shared memory when it holds a newer complete snapshot than the disk.
+Everything else is stock Megatron, on the flags of a production run: its default checkpoint
+format (``torch_dist``, with ``--ckpt-fully-parallel-save``), the distributed optimizer, and
+``--async-save --use-persistent-ckpt-worker`` (which the patch makes no-ops: its saver is
+asynchronous already). ``--non-persistent-save-interval`` (our ``--snapshot-interval``) saves go
+to shared memory only, ``--save-interval`` (our ``--persist-interval``) saves go to shared memory
+and are written to ``--ckpt-dir`` by a background saver, as Megatron's own
+``iter_XXXXXXX/{__0_0.distcp,__1_0.distcp,.metadata,metadata.json}``. At start, ``load_checkpoint``
+(run by ``pretrain()``) resumes from shared memory when it holds a newer complete snapshot than
+the disk. ``-- --ckpt-format torch`` runs the same on Megatron's legacy format.
 
 ``--kill-at ITER`` SIGKILLs every rank right after the save of iteration ITER returned (once every
 rank has it), to simulate a crash. Rank 0 prints ``[pretrain_gpt] ...`` lines: where it resumed
@@ -61,7 +65,7 @@ def say(message: str) -> None:
     sys.stdout.flush()
 
 
-# A tiny GPT: 2 layers, hidden 64, 4 heads, vocab 128, sequences of 32 tokens; 4 micro-batches of 2.
+# A tiny GPT: 2 layers, hidden 64, 4 heads, vocab 128, sequences of 32 tokens; 2 micro-batches of 2 per rank.
 MODEL_FLAGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
     "--seq-length", "32", "--max-position-embeddings", "32",
@@ -70,8 +74,7 @@ MODEL_FLAGS = [
     "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
     "--optimizer", "adam", "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
     "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-    "--tensor-model-parallel-size", "2",
-    "--ckpt-format", "torch",
+    "--use-distributed-optimizer", "--async-save", "--use-persistent-ckpt-worker",
     "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--num-workers", "0",
 ]
 # Megatron's own layers, no fused kernels: what runs without Transformer Engine or Apex.
@@ -126,7 +129,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, lambda: True, config).build()
 
 
-train_valid_test_datasets_provider.is_distributed = True  # every TP rank reads the same batches itself
+train_valid_test_datasets_provider.is_distributed = True  # every rank builds the (mock) dataset itself
 
 LOSSES: dict[int, list[float]] = {}
 """Iteration -> the per-token loss of each micro-batch (for the summary at the end)."""

@@ -1,4 +1,5 @@
-"""examples/megatron/demo.py as a test: Megatron's own pretrain() with the patch, killed, resumed from memory."""
+"""examples/megatron/demo.py as a test: Megatron's own pretrain() with the patch on its default checkpoint
+format (torch_dist, distributed optimizer, --async-save), killed, resumed from memory."""
 
 from __future__ import annotations
 
@@ -20,4 +21,6 @@ def test_pretrain_example_is_killed_and_resumes_from_memory():
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "[pretrain_gpt] resumed from iteration 6 (memory)" in proc.stdout
+    assert "iter_0000012/ holds Megatron's torch_dist files: .metadata, __0_0.distcp, __1_0.distcp, metadata.json" \
+        in proc.stdout
     assert "demo OK" in proc.stdout
