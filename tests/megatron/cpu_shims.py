@@ -50,6 +50,11 @@ What is patched, and why (all idempotent, process-wide):
    - ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` of an optimizer that never
      stepped: give it dummy states first (see ``_patch_distopt_fresh_load``); only matters for
      ``--use-distributed-optimizer --ckpt-format torch_dist`` load into a fresh optimizer.
+   - ``PersistentAsyncCaller.async_loop`` (Megatron's persistent checkpoint worker, ``--async-save
+     --use-persistent-ckpt-worker``): run inside ``fake_cuda_device_count()`` (it calls
+     ``torch.cuda.set_device(rank % torch.cuda.device_count())``). Only a worker started with
+     ``mp_mode='fork'`` inherits this (and the other shims); ``initialize_megatron`` starts it with
+     ``forkserver``, so start it yourself: ``init_persistent_async_worker(rank, 'fork')``.
    - ``megatron.training.training.initialize_megatron`` (the name ``pretrain()`` calls): run with
      ``allow_no_cuda=True`` inside ``fake_cuda_device_count()`` (see 4.); only ``pretrain()`` uses it.
 4. ``fake_cuda_device_count()`` context manager: ``initialize_megatron`` only calls
@@ -213,7 +218,23 @@ def _patch_megatron():
 
     _patch_distopt_legacy_load()
     _patch_distopt_fresh_load()
+    _patch_persistent_worker()
     _patch_pretrain()
+
+
+def _patch_persistent_worker():
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    orig = PersistentAsyncCaller.async_loop
+    if getattr(orig, '_cpu_shim', False):
+        return
+
+    def async_loop(*args, **kwargs):
+        with fake_cuda_device_count():
+            return orig(*args, **kwargs)
+
+    async_loop._cpu_shim = True
+    PersistentAsyncCaller.async_loop = staticmethod(async_loop)
 
 
 def _patch_pretrain():
