@@ -572,8 +572,8 @@ def _check_storage_layout(margs: Any, load_dir: str) -> None:
     except (OSError, ValueError):
         return  # no checkpoint, or a release one: Megatron's code decides
     path = _checkpointing.find_checkpoint_rank_0(load_dir, iteration)
-    if path is None:
-        return
+    if path is None or os.path.isdir(path):
+        return  # a torch_dist checkpoint (--auto-detect-ckpt-format): it reshards on load
     state = torch.load(path, map_location="cpu", mmap=True)
     saved = state.get("args") if isinstance(state, dict) else None
     if saved is None:

@@ -55,7 +55,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def argv(layout: str, ckpt: str) -> list[str]:
-    return tiny.megatron_argv(layout, ckpt, ckpt_format="torch_dist")
+    # the distributed-optimizer job also loads through Megatron's fully-parallel load wrapper
+    extra = ["--ckpt-fully-parallel-load"] if layout == "dp2" else []
+    return [*tiny.megatron_argv(layout, ckpt, ckpt_format="torch_dist"), *extra]
 
 
 def save_every(model, optimizer, scheduler):
