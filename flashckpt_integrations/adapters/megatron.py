@@ -455,7 +455,9 @@ def patch(*, persist_interval: int | None = 1,
     ``persist_interval``: iterations that are a multiple of it are persisted, the others stay in
     memory only (``None``: persist none; ``1``: persist every save). ``config``: a
     :class:`~flashckpt_integrations.CheckpointerConfig` or a dict of its fields (``retention``,
-    ``async_snapshot``, ...); the layout is always Megatron's.
+    ``async_snapshot``, ...); the layout is always Megatron's. With ``{"async_snapshot": True}``
+    the copy into shared memory overlaps the next iteration's forward and backward passes, and
+    the torch optimizers inside Megatron's wait for it before they change the parameters.
     """
     global _active
     _check_version()
