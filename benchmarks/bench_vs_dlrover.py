@@ -5,7 +5,7 @@ Every measurement runs in a worker process of the right virtualenv: ours in this
 (``sys.executable``), DLRover's in ``.venv-dlrover`` (build it with ``scripts/dlrover-venv.sh``).
 Each repeat runs the raw limits, ours and DLRover's in turn, the order of ours and DLRover's
 alternated from one repeat to the next; each ratio is taken within a repeat; the table gives the
-median over the repeats and, in brackets, the smallest and largest repeat. Both sides run with
+median over the repeats and, in parentheses, the smallest and largest repeat. Both sides run with
 one torch thread, no process group (one rank) and the same state: ``--mib`` MiB of float32 in
 ``--tensors`` tensors (default 1.02 GiB in 433), built before the checkpointer, as a model is;
 each worker imports its library and runs one full garbage collection before it times anything
@@ -40,18 +40,23 @@ DLRover specifics (read in the 0.6.1 wheel; they decide how it is driven here):
   * Its startup race: the saver's SharedQueue and SharedLock bind their socket before the queue
     or lock behind it exists; a request that comes in between is answered ERROR, which the
     client ignores, so the saver is never created and the constructor raises TimeoutError after
-    60 s. Such a start is counted ("hung starts") and the worker run again.
+    60 s. Such a start is counted ("hung starts"), its worker ended after ``START_TIMEOUT_S`` and
+    run again.
   * Memory: one buffer per node, created with ftruncate (sparse) and mapped without
     MAP_POPULATE, so the first save faults every page in; the tensor metadata is pickled to the
     saver over a Unix socket at each save. A save while the saver holds the buffer's lock is
-    skipped, and ``save_checkpoint`` returns nothing.
+    skipped, and ``save_checkpoint`` returns nothing; one that takes the lock before the saver
+    overwrites the step the saver was told to persist, which the saver then drops ("The step N
+    in event is no equal to step N+1 in memory"): the two outcomes of the race.
   * Load: ``load_checkpoint()`` returns ``torch.frombuffer`` views of the shared memory (no copy);
     restoring into the live tensors is the ``copy_`` that ``load_state_dict`` does, timed with it.
   * After a crash, memory is found only when the saver outlives the trainer: dlrover-run's agent
     hosts it. That is emulated as the agent does it (``AsyncCheckpointSaver
     .start_async_saving_ckpt()`` in the parent, trainers with ROLE_NAME=dlrover-trainer,
     ``AsyncCheckpointSaver.reset()`` before the restart). Without the agent (checked once) the
-    restarted trainer forks a new, empty saver and the old one lives on as an orphan.
+    killed trainer's forked saver lives on as an orphan and the restarted trainer forks another,
+    empty one; both serve the same socket paths (the new one unlinks and rebinds each as it gets
+    to it), so whether the restart finds the snapshot depends on which answers first.
   * Persist: the saver thread ``torch.save``s the views to <dir>/<step>/rank_0.pt with no fsync;
     its done file and the tracker dlrover_latest.txt are fsynced. The fsync of the data file that
     it skips is timed after its commit ("durable" detail). Ours fsyncs the data before committing.
