@@ -82,7 +82,8 @@ def print_model(result: dict[str, Any] | None, storage_gbps: float) -> None:
     print(f"- step {STEP_S:.0f} s; {NODE_LOSS:.0%} of failures lose the node's memory; torch.save blocks for the "
           "write, lost work (tau + delta) / 2, restore from storage")
     print("- flashckpt: delta = memory snapshot, lost work tau/2, restore from memory; on a node loss the newest "
-          "commit is one write older than the newest snapshot (1.5 writes old once writes outlast tau: back to back, in the background), restore from storage")
+          "commit is one write older than the newest snapshot (1.5 writes old once writes outlast tau: "
+          "back to back, in the background), restore from storage")
     print(f"- replicas=1: a node loss restores from the peer's memory over {NIC_GBPS_PER_NODE:.0f} GB/s per node "
           f"({GPUS_PER_NODE} ranks), the replica one copy behind; the peer survives")
     print()

@@ -15,10 +15,10 @@ Call order, on every node:
    read from a label of this node's Kubernetes Node object (``--topology-key``).
 2. :func:`configure` (``flashckpt-run`` calls it) puts the node name and switch into the launch
    config's ``rdzv_configs`` and switches ``--rdzv-backend c10d`` to ``c10d-topology``. With no
-   topology information it changes nothing: the launch is exactly torch's. Plain torchrun can use
-   the backend too, through the ``torchrun.handlers`` entry point:
-   ``torchrun --rdzv-backend c10d-topology --rdzv-conf switch=NAME`` (or ``topology_file=PATH``,
-   ``topology_key=LABEL``, and ``node_name=NAME``).
+   topology information it changes nothing: the launch is exactly torch's. :func:`register` adds
+   the backend to torch's registry in the launcher's process. There is deliberately no
+   ``torchrun.handlers`` entry point: torch would import this package in every process that imports
+   torch elastic, the stock loaders of users who never asked for it included.
 3. Each :meth:`TopologyRendezvousHandler.next_rendezvous` first publishes this node's place
    (switch and node name) in the rendezvous store under its torch node descriptor, then joins the
    round as torch does. The node that completes the round (torch lets exactly one node's state
@@ -27,24 +27,7 @@ Call order, on every node:
    has in the new round. Node rank 0 logs the order once per round (``last_order``).
 """
 
-# ruff: noqa: E402  (the entry point below comes before the imports)
 from __future__ import annotations
-
-from typing import Any
-
-
-def torchrun_handler() -> Any:
-    """The ``torchrun.handlers`` entry point: torch calls it and registers what it returns.
-
-    Defined before the imports: importing torch's rendezvous package loads its entry points, this
-    one among them, and may do so while this module is still importing it."""
-    return create_rendezvous_handler
-
-
-def create_rendezvous_handler(params: Any) -> Any:
-    """The registry's creator for ``c10d-topology``: :func:`create_handler`."""
-    return create_handler(params)
-
 
 import dataclasses
 import functools
@@ -54,7 +37,7 @@ import os
 import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
@@ -359,9 +342,13 @@ def create_handler(params: RendezvousParameters) -> TopologyRendezvousHandler:
     return handler
 
 
+def create_rendezvous_handler(params: Any) -> Any:
+    """The registry's creator for ``c10d-topology``: :func:`create_handler`."""
+    return create_handler(params)
+
+
 def register() -> None:
-    """Register ``c10d-topology`` with torch's rendezvous registry (again is fine, and so is after
-    the ``torchrun.handlers`` entry point registered it)."""
+    """Register ``c10d-topology`` with torch's rendezvous registry (again is fine)."""
     handler_registry.register(BACKEND, create_rendezvous_handler)
 
 
