@@ -413,7 +413,6 @@ class Saver:
         ``answer(error)`` is called once the step is committed (``None``) or failed (the reason),
         before retention; it is called whatever goes wrong, storage that cannot be opened included.
         """
-        committed = False
         try:
             storage = self._storage(request)
             committed = commit_protocol.commit(storage, request, local_error)
@@ -479,14 +478,18 @@ class Saver:
 
 def _cannot_open(request: dict[str, Any], exc: BaseException) -> str:
     """Why the saver could not open a request's storage, and what to do about it."""
-    factory = request.get("storage_factory")
-    how = (f"storage_factory {factory!r} must be importable in the saver, which runs with cwd=/ and the "
-           "trainer's environment: put it in an installed package or on PYTHONPATH" if factory else
-           "a scheme registered with register_storage() exists only in the process that registered it; "
-           f"declare it through the {ENTRY_POINT_GROUP!r} entry point group, or pass "
-           "storage_factory='package.module:factory'")
-    return (f"the saver could not open the storage {request['root']!r}: {type(exc).__name__}: {exc}. "
-            f"The saver is a separate process: {how}")
+    factory, root = request.get("storage_factory"), request["root"]
+    scheme = root.split("://", 1)[0] if "://" in root else ""
+    said = f"the saver could not open the storage {root!r}: {type(exc).__name__}: {exc}"
+    if factory:
+        return (f"{said}. The saver is a separate process: storage_factory {factory!r} must be importable in "
+                "the saver, which runs with cwd=/, the trainer's environment and the training script's folder "
+                "on its PYTHONPATH: put the factory in an installed package, beside the script, or on PYTHONPATH")
+    if scheme not in ("", "file"):
+        return (f"{said}. The saver is a separate process: a scheme registered with register_storage() exists "
+                f"only in the process that registered it; declare it through the {ENTRY_POINT_GROUP!r} entry "
+                "point group, or pass storage_factory='package.module:factory'")
+    return said
 
 
 def _slot_request(path: str) -> tuple[dict[str, Any] | None, bool]:
