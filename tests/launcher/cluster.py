@@ -68,6 +68,19 @@ def finish(procs, timeout=150) -> dict[str, tuple[int, str]]:
     return results
 
 
+def run(out, options, worker_args=(), **env) -> tuple[dict[str, tuple[int, str]], dict[str, int], dict[str, str]]:
+    """Launch the four nodes, wait for them, reap what they left; return each node's (exit code,
+    output), the exit codes, and the tails of the outputs (for assertion messages)."""
+    procs = launch(out, options, worker_args, **env)
+    try:
+        results = finish(procs)
+    finally:
+        reap(out)
+    codes = {host: rc for host, (rc, _) in results.items()}
+    tails = {host: output[-3000:] for host, (_, output) in results.items()}
+    return results, codes, tails
+
+
 def rounds(out) -> list[list[dict]]:
     """The workers' records, one list per rendezvous round (in the order the rounds ran)."""
     by_round: dict[str, list[dict]] = defaultdict(list)

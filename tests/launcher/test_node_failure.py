@@ -227,17 +227,11 @@ def test_a_node_whose_check_fails_is_cordoned_and_the_others_train(tmp_path):
     topology_file.write_text("".join(f"{host} {switch}\n" for host, switch in cluster.SWITCHES.items()))
     assert cluster.switch_order(cluster.HOSTS)[1] == "host-d"
     with KubernetesApiTestServer({h: {} for h in cluster.HOSTS}) as server:
-        procs = cluster.launch(out, ["--node-check", "--node-check-timeout", "120", "--topology-file",
-                                     str(topology_file), "--node-failure-handler", "kubernetes"],
-                               KUBECONFIG=server.write_kubeconfig(tmp_path / "kubeconfig"),
-                               FLASHCKPT_NODE_CHECK_PLUGINS="tests.launcher.node_check_plugins",
-                               FLASHCKPT_TEST_FAIL_RANK="1")
-        try:
-            results = cluster.finish(procs)
-        finally:
-            cluster.reap(out)
-        codes = {host: rc for host, (rc, _) in results.items()}
-        tails = {host: output[-3000:] for host, (_, output) in results.items()}
+        results, codes, tails = cluster.run(out, ["--node-check", "--node-check-timeout", "120", "--topology-file",
+                                                  str(topology_file), "--node-failure-handler", "kubernetes"],
+                                            KUBECONFIG=server.write_kubeconfig(tmp_path / "kubeconfig"),
+                                            FLASHCKPT_NODE_CHECK_PLUGINS="tests.launcher.node_check_plugins",
+                                            FLASHCKPT_TEST_FAIL_RANK="1")
         assert codes == {"host-a": 0, "host-b": 0, "host-c": 0, "host-d": 138}, tails
         assert [h for h in cluster.HOSTS if server.patches(h)] == ["host-d"]
         (patch,) = server.patches("host-d")

@@ -140,14 +140,8 @@ def test_four_nodes_ranks_follow_switches_across_a_restart_and_a_scale_down(tmp_
     with KubernetesApiTestServer({h: {cluster.SWITCH_LABEL: s} for h, s in cluster.SWITCHES.items()}) as server:
         options = ["--topology-key", cluster.SWITCH_LABEL, "--node-failure-handler", "kubernetes",
                    "--node-failure-threshold", "1"]
-        procs = cluster.launch(out, options, ["--raise-on", "host-b", "--sigbus-on", "host-c"],
-                               KUBECONFIG=server.write_kubeconfig(tmp_path / "kubeconfig"))
-        try:
-            results = cluster.finish(procs)
-        finally:
-            cluster.reap(out)
-        codes = {host: rc for host, (rc, _) in results.items()}
-        tails = {host: output[-3000:] for host, (_, output) in results.items()}
+        results, codes, tails = cluster.run(out, options, ["--raise-on", "host-b", "--sigbus-on", "host-c"],
+                                            KUBECONFIG=server.write_kubeconfig(tmp_path / "kubeconfig"))
         assert codes == {"host-a": 0, "host-b": 0, "host-c": 138, "host-d": 0}, tails
         orders = cluster.assert_ranks_follow_switches(out)
         assert orders[0] == ["host-b", "host-d", "host-a", "host-c"] and orders[-1] == ["host-b", "host-d", "host-a"]
