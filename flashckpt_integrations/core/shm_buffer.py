@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
+from .._utils.locks import same_file
 from ..errors import CorruptCheckpointError, SharedMemoryError
 
 if TYPE_CHECKING:
@@ -413,7 +414,7 @@ def _open_or_create(path: str) -> tuple[int, bool]:
 def _unlink_if_same(path: str, fd: int) -> None:
     """Remove ``path`` if it still names the file open as ``fd``."""
     with contextlib.suppress(OSError):
-        if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+        if same_file(fd, path):
             os.unlink(path)
 
 
