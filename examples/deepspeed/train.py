@@ -101,5 +101,15 @@ def main() -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Leave without interpreter teardown: gloo threads still running can abort it (SIGABRT) after a
+    finished run. Everything is closed and flushed by now."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

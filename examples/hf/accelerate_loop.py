@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -102,5 +103,16 @@ def main() -> None:
     accelerator.end_training()
 
 
+def _exit(code: int) -> None:
+    """Leave without interpreter teardown: gloo threads still running can abort it (SIGABRT) after a
+    finished run. Everything is closed and flushed by now."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
+    _exit(0)

@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import statistics
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -164,7 +165,16 @@ def _listdir(path: str) -> list[str]:
     return os.listdir(path) if os.path.isdir(path) else []
 
 
+def _exit(code: int) -> None:
+    """Leave without interpreter teardown: gloo threads still running can abort it (SIGABRT) after a
+    finished run. Everything is closed and flushed by now."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # gloo threads left running can abort the interpreter at exit
-        torch.distributed.destroy_process_group()
+    _exit(0)

@@ -26,6 +26,7 @@ import copy
 import json
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -156,5 +157,16 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+def _exit(code: int) -> None:
+    """Leave without interpreter teardown: gloo threads still running can abort it (SIGABRT) after a
+    finished run. Everything is closed and flushed by now."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
+    _exit(0)

@@ -91,5 +91,15 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _exit(code: int) -> None:
+    """No interpreter teardown: gloo threads still running can abort it (SIGABRT) after a finished run."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
+    _exit(0)

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -131,5 +132,15 @@ def checks(ck: Checkpointer, rank: int) -> dict:
     return seen
 
 
+def _exit(code: int) -> None:
+    """No interpreter teardown: gloo threads still running can abort it (SIGABRT) after a finished run."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
+    _exit(0)

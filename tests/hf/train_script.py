@@ -69,7 +69,15 @@ def main() -> None:
     }), flush=True)
 
 
+def _exit(code: int) -> None:
+    """No interpreter teardown: gloo threads still running can abort it (SIGABRT) after a finished run."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # gloo threads left running can abort the interpreter at exit
-        torch.distributed.destroy_process_group()
+    _exit(0)

@@ -129,7 +129,15 @@ def main() -> None:
                       "resumed_from": getattr(trainer, "flash_resumed_from", None)}), flush=True)
 
 
+def _exit(code: int) -> None:
+    """No interpreter teardown: gloo threads still running can abort it (SIGABRT) after a finished run."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
-    if dist.is_initialized():  # gloo threads left running can abort the interpreter at exit
-        dist.destroy_process_group()
+    _exit(0)
