@@ -219,10 +219,14 @@ class Checkpointer(LoadPath):
             if persist:  # in the slot too: a saver persists it even if this process dies before asking
                 meta["persist"] = self._persist_request(step, seq, self.slot_paths[index], sid)
             raw_meta = json.dumps(meta, separators=(",", ":")).encode()
-            try:
-                slot = self._ensure_slot(index, end + len(raw_meta), pin=devices.device_index(plan))
+            pin = devices.device_index(plan)
+            front = _CopyFront(plan) if pin is None and self._slot(index) is None else None
+            try:  # a new slot for a host copy is not pre-faulted here: the helper below faults it in
+                slot = self._ensure_slot(index, end + len(raw_meta), pin=pin, populate=front is None)
             except SharedMemoryError as exc:
                 return direct.fallback(self, step, plan, meta, persist, exc)
+            if front is not None:  # from its end, while the copy writes from its start (queued first)
+                self._background.submit(slot.fault_in_from_end, front.offset)
             self._seq += 1
             for other in range(len(self._slots)):  # the other slot is created off the training path, sized
                 # for this state as this one was (its headroom is added once, by the slot, not twice)
@@ -236,7 +240,7 @@ class Checkpointer(LoadPath):
             durable: Future | None = Future() if persist else None
             status = SaveStatus.PERSISTING if persist else SaveStatus.IN_MEMORY
             result = SaveResult(step, status, _durable=durable, _poll_commit=self._commit_poller(sid))
-            args = (index, slot, plan, step, seq, sid, end, raw_meta, durable)
+            args = (index, slot, plan, step, seq, sid, end, raw_meta, durable, front)
             copy = devices.begin_copy(plan)  # side streams ordered after the work queued so far
             if overlap:
                 self._snapshot_copy = copy
@@ -341,7 +345,7 @@ class Checkpointer(LoadPath):
 
     def _complete(
         self, index: int, slot: Slot, plan: Any, step: int, seq: int, sid: str, meta_offset: int, raw_meta: bytes,
-        durable: Future | None, copy: devices.DeviceCopy | None,
+        durable: Future | None, front: _CopyFront | None, copy: devices.DeviceCopy | None,
     ) -> str | None:
         """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None.
 
@@ -354,8 +358,13 @@ class Checkpointer(LoadPath):
             if stream:
                 self._persisting[index] = durable
                 self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
+            on_copied = _both(slot.publish_copied if stream else None, front.copied if front is not None else None)
             with devices.on_side_streams(copy):  # device copies go to each device's side stream
-                copy_regions(plan, slot.buffer, after_region(slot.publish_copied if stream else None))
+                try:
+                    copy_regions(plan, slot.buffer, after_region(on_copied))
+                finally:
+                    if front is not None:
+                        front.finish()
             devices.finish_copy(copy)  # sleeps on the done events (no spinning, no device-wide sync)
             slot.seal()
             fault_point("trainer.sealed")  # sealed, the saver not yet asked
@@ -527,14 +536,15 @@ class Checkpointer(LoadPath):
             except SharedMemoryError as exc:  # the save that needs it reports it
                 logger.warning("[RANK %d] could not prepare slot %d ahead of time: %s", self.rank, index, exc)
 
-    def _ensure_slot(self, index: int, nbytes: int, *, pin: int | None, wait_pin: bool = False) -> Slot:
+    def _ensure_slot(self, index: int, nbytes: int, *, pin: int | None, wait_pin: bool = False,
+                     populate: bool = True) -> Slot:
         """Slot ``index``, at least ``nbytes`` large; with ``pin`` (a CUDA device index) it is page-locked
         for that device: off the training path (the next saves copy into it pageable until then),
         or here with ``wait_pin``. Call with the engine lock held and no overlapped copy running."""
         slot = self._slot(index)
         size_before = slot.size if slot is not None else 0
         if slot is None:
-            slot = self._slots[index] = Slot.create_or_open(self.slot_paths[index], nbytes)
+            slot = self._slots[index] = Slot.create_or_open(self.slot_paths[index], nbytes, populate=populate)
         else:
             slot.ensure_size(nbytes)
         if slot.size != size_before:
@@ -611,6 +621,37 @@ class Checkpointer(LoadPath):
                     slot.unlink()
                 slot.close()
         self._slots = [None] * len(self._slots)
+
+
+class _CopyFront:
+    """How far the first copy into a new slot has got, for the helper that faults its pages in
+    from the other end (:meth:`Slot.fault_in_from_end`)."""
+
+    def __init__(self, plan: Any) -> None:
+        self._regions = plan.regions
+        self._offset = 0
+
+    def copied(self, regions: int) -> None:
+        region = self._regions[regions - 1]
+        self._offset = region.offset + region.nbytes
+
+    def finish(self) -> None:
+        self._offset = 1 << 62  # past any slot's end: the helper stops
+
+    def offset(self) -> int:
+        return self._offset
+
+
+def _both(first: Any, second: Any) -> Any:
+    """One per-region callback that calls both (either may be None)."""
+    if first is None or second is None:
+        return first or second
+
+    def both(regions: int) -> None:
+        first(regions)
+        second(regions)
+
+    return both
 
 
 class _AtExit:

@@ -163,7 +163,8 @@ class LoadPath:
             if target is not None and map_location is None:  # restore straight from the slot (item 9)
                 locations = {}
                 keep = functools.partial(_keep_on_host, locations)
-                cuda = devices.cuda_index_of(target)
+                # a process holds a CUDA tensor only once CUDA is initialised: skip the walk on a CPU job
+                cuda = devices.cuda_index_of(target) if torch.cuda.is_initialized() else None
                 if cuda is not None and self.config.pin_memory and slot.needs_pin:
                     slot.pin(cuda)  # a slot re-attached after a restart is not page-locked yet
             files = {

@@ -28,17 +28,18 @@ def copy_into_target(files: dict[str, Any], target_files: Mapping[str, Any],
     """
     out = {}
     touched: list[torch.Tensor] = []
-    for path, loaded in files.items():
-        target = target_files.get(path)
-        target = target.obj if isinstance(target, FileSpec) else target
-        out[path] = _merge(loaded, target, path, locations, touched)
+    with torch.no_grad():
+        for path, loaded in files.items():
+            target = target_files.get(path)
+            target = target.obj if isinstance(target, FileSpec) else target
+            out[path] = _merge(loaded, target, path, locations, touched)
     synchronize_current(touched)
     return out
 
 
 def _merge(loaded: Any, target: Any, where: str, locations: Mapping[int, str] | None = None,
            touched: list[torch.Tensor] | None = None) -> Any:
-    """Copy ``loaded`` tensors into ``target``'s, matching by structure; clone the rest."""
+    """Copy ``loaded`` tensors into ``target``'s, matching by structure; clone the rest (under no_grad)."""
     if isinstance(loaded, torch.Tensor):
         if isinstance(target, torch.Tensor):
             if target.shape != loaded.shape or target.dtype != loaded.dtype:
@@ -46,16 +47,19 @@ def _merge(loaded: Any, target: Any, where: str, locations: Mapping[int, str] | 
                     f"{where}: saved tensor is {tuple(loaded.shape)} {loaded.dtype}, the target is "
                     f"{tuple(target.shape)} {target.dtype}"
                 )
-            async_copy = target.device.type != "cpu" and loaded.device.type == "cpu"
-            with torch.no_grad():
-                target.copy_(loaded, non_blocking=async_copy)
+            if target.is_cpu:
+                target.copy_(loaded)
+                return target
+            async_copy = loaded.is_cpu
+            target.copy_(loaded, non_blocking=async_copy)
             if async_copy and touched is not None:
                 touched.append(target)
             return target
         location = locations.get(loaded.untyped_storage().data_ptr()) if locations else None
-        if location is not None and not location.startswith("cpu"):
-            return loaded.to(torch.device(location), copy=True)
-        return loaded.clone()
+        with torch.set_grad_enabled(loaded.requires_grad):  # a clone keeps requires_grad, as it would outside
+            if location is not None and not location.startswith("cpu"):
+                return loaded.to(torch.device(location), copy=True)
+            return loaded.clone()
     if isinstance(loaded, Mapping):
         items = {k: _merge(v, target.get(k) if isinstance(target, Mapping) else None, f"{where}.{k}",
                            locations, touched)

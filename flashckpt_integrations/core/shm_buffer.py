@@ -30,16 +30,20 @@ on the slot file, plus the trainer's own record of requests not yet answered.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import json
 import logging
 import mmap
 import os
 import stat
 import struct
+import sys
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -111,8 +115,9 @@ class Slot:
     # --- creation and attachment -----------------------------------------------------------
 
     @classmethod
-    def create_or_open(cls, path: str, min_size: int) -> Slot:
-        """Open the slot at ``path``, creating it (0600, pre-faulted) or growing it as needed.
+    def create_or_open(cls, path: str, min_size: int, *, populate: bool = True) -> Slot:
+        """Open the slot at ``path``, creating it (0600, pre-faulted unless not ``populate``) or
+        growing it as needed. Its bytes are allocated either way (``fallocate``).
 
         When the slot cannot be sized or mapped (too little shared memory, a file size limit, no
         address space), a file this call created is removed again: a failed creation leaves no
@@ -125,7 +130,7 @@ class Slot:
             if size < min_size:
                 size = _grow(path, fd, size, min_size)
             try:
-                return cls(path, fd, size, populate=True)
+                return cls(path, fd, size, populate=populate)
             except OSError as exc:  # mmap: ENOMEM (address space, locked-memory limits)
                 raise SharedMemoryError(f"cannot map shared-memory slot {path} of {size} bytes: {exc}") from exc
         except BaseException:
@@ -158,6 +163,28 @@ class Slot:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._mm = mmap.mmap(self._fd, self.size, flags=flags)
         self._tensor = None  # made on first use: the saver reads slots without torch
+
+    def fault_in_from_end(self, front: Callable[[], int]) -> None:
+        """Map the pages in from the slot's end down to ``front()``, the offset a copy writing
+        from the start has reached (it is read again before every chunk).
+
+        For a slot mapped without populating, on a helper thread while the first copy into it
+        runs: each page is faulted in once, by whichever of the two gets there first, so the copy
+        pays for about half of the faults instead of all of them (or of a ``MAP_POPULATE`` before
+        it). Needs ``MADV_POPULATE_WRITE`` (Linux 5.14); without it this returns at once and the
+        copy faults every page itself.
+        """
+        if self._mm is None or _madvise() is None:
+            return
+        address = self.buffer.data_ptr()
+        end = self.size
+        while end > 0:
+            start = max(end - _FAULT_CHUNK, front() // mmap.PAGESIZE * mmap.PAGESIZE)
+            if start >= end:
+                return
+            if _madvise()(address + start, end - start, _MADV_POPULATE_WRITE) != 0:
+                return  # EINVAL (an older kernel), ENOMEM: the copy faults the rest itself
+            end = start
 
     def ensure_size(self, min_size: int) -> None:
         """Grow the slot to hold ``min_size`` bytes; existing bytes are kept."""
@@ -375,6 +402,25 @@ class Slot:
         """An untyped storage that starts at ``offset`` (no copy)."""
         self._check_range(offset, nbytes)
         return _torch().frombuffer(self._mm, dtype=_torch().uint8, count=nbytes, offset=offset).untyped_storage()
+
+
+_MADV_POPULATE_WRITE = 23
+_FAULT_CHUNK = 4 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise() -> Any:
+    """libc's ``madvise`` through ctypes (which releases the GIL around it: the copy runs meanwhile)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
 
 
 def _torch() -> Any:

@@ -484,9 +484,37 @@ def unpickle_torch(
                                                     _internal=True)
         return cache[key]
 
-    unpickler = _AllowlistUnpickler(io.BytesIO(blob)) if weights_only else pickle.Unpickler(io.BytesIO(blob))
+    unpickler = _AllowlistUnpickler(io.BytesIO(blob)) if weights_only else _SlotUnpickler(io.BytesIO(blob))
     unpickler.persistent_load = persistent_load
     return unpickler.load()
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any, requires_grad: bool,
+                       backward_hooks: Any, metadata: Any = None) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2`` without its per-tensor fake-mode lookup (a snapshot is
+    decoded outside fake mode: :func:`_rebuild_for` checks that once per file)."""
+    untyped = storage._untyped_storage
+    tensor = torch.empty((0,), dtype=storage.dtype, device=untyped.device).set_(untyped, storage_offset, size, stride)
+    if requires_grad:
+        tensor.requires_grad = True
+    if metadata:
+        torch._utils.set_tensor_metadata(tensor, metadata)
+    if backward_hooks:
+        tensor._backward_hooks = backward_hooks
+    return tensor
+
+
+def _rebuild_for(found: Any) -> Any:
+    if found is torch._utils._rebuild_tensor_v2 and torch._guards.detect_fake_mode(None) is None:
+        return _rebuild_tensor_v2
+    return found
+
+
+class _SlotUnpickler(pickle.Unpickler):
+    """The plain unpickler (``weights_only=False``), with the fast tensor rebuild."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _rebuild_for(super().find_class(module, name))
 
 
 class _AllowlistUnpickler(pickle.Unpickler):
@@ -517,7 +545,7 @@ class _AllowlistUnpickler(pickle.Unpickler):
                 "trust it, allow it with torch.serialization.add_safe_globals([...]) or load with "
                 "weights_only=False."
             )
-        return found
+        return _rebuild_for(found)
 
 
 def _safe_globals() -> dict[str, Any]:
