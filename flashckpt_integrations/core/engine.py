@@ -48,7 +48,7 @@ from .loading import LoadPath, locked_by_saver
 from .protocol import SLOTS_FILE
 from .results import PersistResult, SaveResult, SaveStatus
 from .shm_buffer import HEADER_SIZE, Slot, SlotState
-from .state import FileSpec, copy_regions, normalize_files, plan_snapshot
+from .state import FileSpec, PickleCache, copy_regions, normalize_files, plan_snapshot
 from .storage import storage_from_url
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class Checkpointer(LoadPath):
         self._decided = False
         self._unpublished: dict[str, Any] | None = None  # a resumed attempt's record, written at its first save
         self._saves_of: dict[int, int] = {}
+        self._pickles = PickleCache()
         self._seq = self._newest_seq() + 1
         self._record_slot_paths()
         self._requester = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-request")
@@ -199,7 +200,7 @@ class Checkpointer(LoadPath):
             self._publish_attempt()
         with self._lock:
             self.wait_for_snapshot()
-            plan = plan_snapshot(specs)
+            plan = plan_snapshot(specs, self._pickles)
             devices.check_plan(plan)  # before any slot is touched
             if overlap:
                 self._warn_if_unwaited()

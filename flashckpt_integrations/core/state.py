@@ -139,15 +139,205 @@ def normalize_files(files: Mapping[str, Any]) -> dict[str, FileSpec]:
     return out
 
 
-def plan_snapshot(files: Mapping[str, FileSpec]) -> SnapshotPlan:
-    """Pack ``files`` without copying tensor bytes."""
+def plan_snapshot(files: Mapping[str, FileSpec], pickles: PickleCache | None = None) -> SnapshotPlan:
+    """Pack ``files`` without copying tensor bytes; with ``pickles``, a torch file whose structure
+    is that of the previous save's reuses its pickle."""
     regions: list[Region] = []
     by_storage: dict[int, int] = {}
     plans = []
     for path, spec in files.items():
-        packer = _PACKERS[spec.codec]
-        plans.append(packer(path, spec, regions, by_storage))
+        plan = pickles.plan(path, spec, regions, by_storage) if pickles is not None else None
+        if plan is None:
+            plan = _PACKERS[spec.codec](path, spec, regions, by_storage)
+            if pickles is not None:
+                pickles.remember(path, spec, plan, regions)
+        plans.append(plan)
     return SnapshotPlan(regions, plans)
+
+
+class PickleCache:
+    """The pickle of each torch-codec file of a rank's previous save, reused while the file's
+    structure stays the same (a training state's does from one save to the next).
+
+    A torch file's pickle depends only on its structure and its values: container types and
+    keys, each tensor's dtype, device, offset, size, stride and ``requires_grad``, which tensors,
+    containers and storages are shared, each storage's size, and the plain values. The
+    fingerprint of a file is that structure (objects by order of first appearance, never by
+    ``id``, so a fresh ``state_dict()`` matches) with every ``int`` and ``float`` left out: those
+    are written into a copy of the previous pickle in place (a learning rate, a step counter),
+    each in the encoding the pickle has there (an ``int`` that does not fit it is a miss). Two
+    files with equal fingerprints pickle to the same bytes up to those values and to the sharing
+    of equal strings and tuples, which unpickle equal either way. A file holding anything else
+    (another class, a tensor that is not plain) is pickled every time.
+    """
+
+    def __init__(self) -> None:
+        self._cached: dict[str, _CachedPickle] = {}
+        self._walked: tuple[str, Any, _Walk] | None = None
+        self.hits = 0
+        """Files whose pickle was reused."""
+
+    def plan(self, path: str, spec: FileSpec, regions: list[Region], by_storage: dict[int, int]) -> FilePlan | None:
+        self._walked = None
+        if spec.codec is not Codec.TORCH:
+            return None
+        walk = _walk(spec.obj)
+        if walk is None:
+            return None
+        cached = self._cached.get(path)
+        blob = cached.patched(walk) if cached is not None and cached.fingerprint == walk.fingerprint else None
+        if blob is None:
+            self._walked = (path, spec.obj, walk)  # for remember(), right after this file is pickled
+            return None
+        plan = FilePlan(path, Codec.TORCH, blob)
+        for key, storage in enumerate(walk.storages):
+            plan.storages[str(key)] = _storage_region(storage, regions, by_storage)
+        self.hits += 1
+        return plan
+
+    def remember(self, path: str, spec: FileSpec, plan: FilePlan, regions: list[Region]) -> None:
+        walked, self._walked = self._walked, None
+        self._cached.pop(path, None)
+        if walked is None or walked[0] != path or walked[1] is not spec.obj:
+            return
+        walk = walked[2]
+        if len(plan.storages) != len(walk.storages) or any(  # the pickler met the storages in the walk's order
+            regions[plan.storages.get(str(key), -1)].source.untyped_storage()._cdata != storage._cdata
+            for key, storage in enumerate(walk.storages)
+        ):
+            return
+        cached = _CachedPickle.of(plan.blob, walk)
+        if cached is not None:
+            self._cached[path] = cached
+
+
+@dataclass
+class _Walk:
+    fingerprint: tuple[Any, ...]
+    storages: list[torch.UntypedStorage]
+    """Distinct storages, in the order the pickler meets them."""
+    floats: list[float]
+    ints: list[int]
+    """The object's own ints (not the tensors' sizes), in pickling order."""
+    stream: list[tuple[bool, int]]
+    """Every int the pickle holds, in order: (the object's own, value); a tensor adds its storage's
+    element count, its offset, sizes and strides."""
+
+
+_INT_OPS = {"BININT1": (1, False), "BININT2": (2, False), "BININT": (4, True)}
+
+
+@dataclass
+class _CachedPickle:
+    fingerprint: tuple[Any, ...]
+    blob: bytes
+    floats: list[int]
+    """Byte offsets of the object's floats (8 bytes, big-endian)."""
+    ints: list[tuple[int, int, bool]]
+    """(offset, width, signed) of the object's ints (little-endian)."""
+
+    @classmethod
+    def of(cls, blob: bytes, walk: _Walk) -> _CachedPickle | None:
+        """Find where each int and float of ``walk`` sits in ``blob``; None when they do not line up."""
+        import pickletools
+
+        floats: list[int] = []
+        ints: list[tuple[int, int, bool]] = []
+        stream = iter(walk.stream)
+        try:
+            for op, arg, pos in pickletools.genops(blob):
+                if op.name == "BINFLOAT":
+                    if len(floats) >= len(walk.floats) or struct.pack(">d", arg) != struct.pack(
+                            ">d", walk.floats[len(floats)]):
+                        return None
+                    floats.append(pos + 1)
+                elif op.name in _INT_OPS or op.name == "LONG1" or op.name in ("INT", "LONG", "LONG4"):
+                    own, value = next(stream)
+                    if value != arg:
+                        return None
+                    if own:
+                        if op.name in _INT_OPS:
+                            width, signed = _INT_OPS[op.name]
+                            ints.append((pos + 1, width, signed))
+                        elif op.name == "LONG1":
+                            ints.append((pos + 2, blob[pos + 1], True))
+                        else:
+                            return None
+        except (StopIteration, ValueError):
+            return None
+        if len(floats) != len(walk.floats) or next(stream, None) is not None:
+            return None
+        return cls(walk.fingerprint, blob, floats, ints)
+
+    def patched(self, walk: _Walk) -> bytes | None:
+        """The cached pickle with ``walk``'s ints and floats; None when an int does not fit its slot."""
+        blob = bytearray(self.blob)
+        for offset, value in zip(self.floats, walk.floats):
+            struct.pack_into(">d", blob, offset, value)
+        for (offset, width, signed), value in zip(self.ints, walk.ints):
+            try:
+                blob[offset : offset + width] = value.to_bytes(width, "little", signed=signed)
+            except OverflowError:
+                return None
+        return bytes(blob)
+
+
+def _walk(obj: Any) -> _Walk | None:
+    """The structure of a torch file's object (see :class:`PickleCache`), or ``None`` when it holds
+    anything the cache does not reuse pickles for."""
+    out: list[Any] = []
+    seen: dict[int, int] = {}  # id -> order of first appearance (containers and tensors)
+    storage_order: dict[int, int] = {}
+    walk = _Walk((), [], [], [], [])
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is int:
+            out.append(int)
+            walk.ints.append(item)
+            walk.stream.append((True, item))
+            continue
+        if kind is float:
+            out.append(float)
+            walk.floats.append(item)
+            continue
+        if kind is str or kind is bool or item is None:
+            out.append((kind, item))
+            continue
+        if kind is torch.Tensor or kind is dict or kind is OrderedDict or kind is list:
+            first = seen.get(id(item))
+            if first is not None:  # met before: pickled as a reference
+                out.append(("ref", first))
+                continue
+            seen[id(item)] = len(seen)
+        if kind is torch.Tensor:
+            if _legacy_storage_type(item.dtype) is None or not _plain(item):
+                return None
+            storage = item.untyped_storage()
+            order = storage_order.setdefault(storage._cdata, len(storage_order))
+            if order == len(walk.storages):
+                walk.storages.append(storage)
+            size, stride = tuple(item.size()), item.stride()
+            out.append((order, storage.nbytes(), item.dtype, item.device, item.storage_offset(), size, stride,
+                        item.requires_grad))
+            numel = storage.nbytes() // item.dtype.itemsize
+            walk.stream.extend((False, v) for v in (numel, item.storage_offset(), *size, *stride))
+        elif kind is dict or kind is OrderedDict:
+            out.append((kind, len(item)))
+            if kind is OrderedDict and vars(item):  # a state_dict's _metadata: pickled after the items
+                out.append("attributes")
+                stack.append(vars(item))
+            for key, value in reversed(list(item.items())):
+                stack.append(value)
+                stack.append(key)
+        elif kind is list or kind is tuple:
+            out.append((kind, len(item)))
+            stack.extend(reversed(item))
+        else:
+            return None
+    walk.fingerprint = tuple(out)
+    return walk
 
 
 def _storage_region(storage: torch.UntypedStorage, regions: list[Region], by_storage: dict[int, int]) -> int:
