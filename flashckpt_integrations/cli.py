@@ -32,7 +32,7 @@ from .core.client import job_id_for, job_key, saver_running, user_run_root
 from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
 from .core.protocol import LOG_NAME
 from .core.replica_slots import list_replicas, replica_paths
-from .core.rescue import RescueStatus, job_slots, persist_newest
+from .core.rescue import RescueStatus, job_replicas, job_slots, persist_newest
 from .core.shm_buffer import Slot
 from .core.storage import ENTRY_POINT_GROUP, Storage, storage_from_url
 from .errors import FlashCkptError
@@ -309,7 +309,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
 def cmd_persist(args: argparse.Namespace) -> int:
     url = _url(args.dir)
     slots = job_slots(url, args.job_id, args.shm_dir)
-    if not slots:
+    replicas = job_replicas(url, args.job_id, args.shm_dir) if args.from_replicas else {}
+    if not slots and not replicas:
         job_id = job_id_for(None, args.job_id)
         raise _CommandError(
             f"no shared memory of the job saving to {url} on this host (looked in "
@@ -318,7 +319,7 @@ def cmd_persist(args: argparse.Namespace) -> int:
     bar = _ProgressBar(sys.stderr)
     result = None
     try:
-        result = persist_newest(slots, progress=bar, commit_timeout=args.commit_timeout)
+        result = persist_newest(slots, replicas=replicas, progress=bar, commit_timeout=args.commit_timeout)
     finally:
         bar.finish(complete=result is not None and result.status is not RescueStatus.FAILED)
     if args.json:
@@ -455,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "Write the newest step that every rank of this host holds complete in shared memory, if it "
                        "is newer than the newest commit; the node that holds rank 0 commits it. Run it on each "
                        "node. A progress bar goes to stderr.")
+    persist.add_argument("--from-replicas", action="store_true",
+                         help="also persist the ranks this host holds only as peer replicas (their node is gone), "
+                              "so that this host writes the whole step")
     persist.add_argument("--commit-timeout", type=float, default=None, metavar="SECONDS",
                          help="how long to wait for the other nodes' ranks (default: the job's commit timeout)")
     persist.add_argument("--json", action="store_true", help=json_help)

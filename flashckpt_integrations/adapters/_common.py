@@ -23,9 +23,13 @@ def newest_memory_step(ck: Checkpointer, steps: list[int] | None = None) -> int 
     """The step ``ck.load()`` would restore from memory (collective), or None.
 
     Mirrors the rule of ``Checkpointer.load``: a step held complete by every rank and at least as
-    new as the newest commit; decided without reading anything from storage. ``steps``: this
-    rank's candidates, when an adapter accepts only some of its memory snapshots (default: all).
+    new as the newest commit; decided without reading anything from storage. With peer replicas,
+    a rank whose node lost its memory first fetches that step from a peer (``recover_replicas``).
+    ``steps``: this rank's candidates, when an adapter accepts only some of its memory snapshots
+    (default: all; an adapter that passes them calls ``recover_replicas`` before choosing them).
     """
+    if steps is None:
+        ck.recover_replicas()
     committed = ck.committed_steps()
     mine = ck.memory_steps() if steps is None else sorted(steps)
     views = collectives.all_gather_object([mine, committed[-1] if committed else None],

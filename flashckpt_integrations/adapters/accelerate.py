@@ -261,6 +261,7 @@ class AccelerateCheckpointer:
     def _held_by_all(self, step: int) -> bool:
         from ..core import collectives
 
+        self.checkpointer.recover_replicas(step)
         views = collectives.all_gather_object(step in self.checkpointer.memory_steps(),
                                               self.checkpointer.world_size, self.checkpointer.process_group)
         return all(views)

@@ -346,6 +346,8 @@ def resolve_step(checkpointer: Checkpointer, step: int | None = None, *,
     newest commit; else the newest (or the given) committed step; ``None`` when there is none.
     """
     ck = checkpointer
+    if prefer_memory:  # a rank whose node lost its memory fetches the step from a peer's replica
+        ck.recover_replicas(step)
     memory = ck.memory_steps() if prefer_memory else []
     committed = ck.committed_steps()
     views = collectives.all_gather_object([memory, committed], ck.world_size, ck.process_group)

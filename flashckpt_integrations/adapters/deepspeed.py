@@ -383,6 +383,8 @@ class FlashCheckpointEngine(CheckpointEngine):
     def _choose(self, step: int | None, prefer_memory: bool) -> tuple[int, str] | None:
         """The step to load and its source, agreed by every rank (collective)."""
         ck = self.checkpointer
+        if prefer_memory:  # a rank whose node lost its memory fetches the step from a peer's replica
+            ck.recover_replicas(step)
         committed = ck.committed_steps()
         memory = ck.memory_steps() if prefer_memory else []
         views = collectives.all_gather_object([memory, committed[-1] if committed else None],

@@ -330,6 +330,7 @@ class MegatronFlash:
         """The iteration to load from memory (collective): held complete by every rank, saved in
         this run's format with its parallel sizes, and at least as new as the newest commit; else None."""
         matching, other = [], {}
+        ck.recover_replicas()  # a rank whose node lost its memory fetches the iteration from a peer's replica
         for step, (_, meta) in ck._memory_snapshots().items():
             saved = meta.get("user", {}).get("megatron")
             if saved == sizes:

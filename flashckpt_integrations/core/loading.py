@@ -112,6 +112,32 @@ class LoadPath:
         """Steps held complete in this rank's slots, ascending."""
         return sorted(self._memory_snapshots())
 
+    def recover_replicas(self, step: int | None = None) -> int | None:
+        """Where a rank's node lost its memory, fetch a step from a peer's replica into its slot.
+
+        Collective (every rank calls it). With peer replicas on: when the newest step a rank holds
+        in memory (or ``step``) is not held by every rank, the ranks agree on the newest one that
+        every rank holds locally or in a peer's replica, at least as new as the newest commit, and
+        the ranks without it copy it into their own slot; afterwards :meth:`memory_steps` lists it
+        on every rank. Returns that step, or ``None`` (replicas off, nothing missing, or no common
+        step). :meth:`load` does this itself; an adapter that decides the step to resume from on
+        its own calls this first.
+        """
+        if not self._replicas.enabled:
+            return None
+        self._check_open()
+        self.wait_for_snapshot()
+        memory = self._memory_snapshots()
+        committed = self.committed_steps()
+        self._replicas.prepare_load()
+        views = collectives.all_gather_object([sorted(memory), committed[-1] if committed else None],
+                                              self.world_size, self.process_group)
+        in_every_rank = set.intersection(*(set(v[0]) for v in views)) if views else set()
+        before = set(in_every_rank)
+        _, in_every_rank = self._replicas.resolve(memory, views, in_every_rank, views[0][1], step)
+        fetched = in_every_rank - before
+        return max(fetched) if fetched else None
+
     def load(
         self,
         step: int | None = None,

@@ -185,6 +185,8 @@ class ReplicaStore:
             if self._readers.get(path):
                 raise ReplicaSkipped(f"the older replica of rank {rank} is being read by a restore")
             slot = self._sized(path, nbytes)
+            if not slot.try_lock():  # held while another process persists it (flashckpt persist --from-replicas)
+                raise ReplicaSkipped(f"the older replica of rank {rank} is being persisted")
             slot.begin_write(step, seq)
             slot.mark_persist_requested(0)
             slot.mark_persist_done(0)
@@ -227,11 +229,13 @@ class ReplicaStore:
         except BaseException:
             self.abandon(slot, rank)
             raise
+        slot.unlock()
         with self._lock:
             self._writing.discard(rank)
 
     def abandon(self, slot: Slot, rank: int) -> None:
         slot.invalidate()
+        slot.unlock()
         with self._lock:
             self._writing.discard(rank)
 
@@ -264,6 +268,30 @@ class ReplicaStore:
             for slot in self._slots.values():
                 slot.close()
             self._slots.clear()
+
+
+def verify(path: str) -> str | None:
+    """Why the replica in slot ``path`` cannot be used (not complete, damaged), or None when its
+    bytes match the checksum its sender computed. Reads the whole copy."""
+    slot = Slot.attach(path)
+    if slot is None:
+        return f"{path} is gone"
+    try:
+        header, record = slot.read_header(), read_record(slot)
+        if header is None or header.state is not SlotState.COMPLETE or record is None:
+            return f"{path} holds no complete replica"
+        nbytes = head_of(header)["nbytes"]
+        crc = 0
+        for offset in range(HEADER_SIZE, nbytes, CHUNK):
+            with slot.memoryview(offset, min(CHUNK, nbytes - offset)) as view:
+                crc = zlib.crc32(view, crc)
+        if crc != record[1] or not same_snapshot(header, slot.read_header()):
+            return f"{path}: the replica of step {header.step} is damaged (its checksum does not match)"
+        return None
+    except CorruptCheckpointError as exc:
+        return f"{path}: {exc}"
+    finally:
+        slot.close()
 
 
 def shm_reserve(shm_dir: str) -> int:

@@ -2,7 +2,8 @@
 worker fail or is told to stop.
 
 Call order: find the job's slots on this node (:func:`job_slots` from the checkpoint directory
-and job id, or :func:`run_dir_slots` from the saver's run directory), then
+and job id, or :func:`run_dir_slots` from the saver's run directory) and, when another node is
+gone, the peer replicas this node holds for its ranks (:func:`job_replicas`), then
 :func:`persist_newest`. It picks the newest step that every local rank holds complete in
 memory and, when that step is newer than the newest commit on storage, writes every local
 rank's files and, on the node that holds rank 0, commits the step. On several nodes, run it on
@@ -45,6 +46,7 @@ from .layout import (
     failure_record,
 )
 from .protocol import SLOTS_FILE
+from .replica_slots import replica_paths, verify
 from .saver import Saver
 from .shm_buffer import Slot, SlotState
 from .storage import Storage, storage_from_url
@@ -124,6 +126,15 @@ def job_slots(checkpoint_dir: str | os.PathLike, job_id: str | None = None,
     return found
 
 
+def job_replicas(checkpoint_dir: str | os.PathLike, job_id: str | None = None,
+                 shm_dir: str | None = None) -> dict[int, list[str]]:
+    """The replica slots this host holds for other nodes' ranks of the job, by rank (peer replicas:
+    ``CheckpointerConfig.replicas``)."""
+    url = os.fspath(checkpoint_dir)
+    url = url if "://" in url else os.path.abspath(os.path.expanduser(url))
+    return replica_paths(shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm"), job_key(job_id_for(url, job_id)))
+
+
 def run_dir_slots(run_dir: str) -> dict[int, list[str]]:
     """The slot files that the ranks of one node recorded in the saver's run directory, by rank."""
     found: dict[int, list[str]] = {}
@@ -199,14 +210,19 @@ def choose_step(held: Mapping[int, Mapping[int, Snapshot]], newest_commit: int |
                   f"the newest commit ({newest_commit}); nothing to persist")
 
 
-def persist_newest(slots: Mapping[int, Sequence[str]], *, progress: Progress | None = None,
-                   commit_timeout: float | None = None) -> RescueResult:
+def persist_newest(slots: Mapping[int, Sequence[str]], *, replicas: Mapping[int, Sequence[str]] | None = None,
+                   progress: Progress | None = None, commit_timeout: float | None = None) -> RescueResult:
     """Persist (and, on rank 0's node, commit) the newest step every local rank holds in memory.
 
     ``slots``: this node's slot files by rank (:func:`job_slots`, :func:`run_dir_slots`).
-    ``commit_timeout`` overrides how long rank 0's node waits for other nodes' files.
+    ``replicas``: replica slots by rank (:func:`job_replicas`), for ranks whose node is gone: each
+    rank without a slot of its own here counts as local through its replicas, verified against
+    their checksums first, so that this node persists its step too (and, holding rank 0,
+    commits it). ``commit_timeout`` overrides how long rank 0's node waits for other nodes' files.
     """
+    slots, replica_notes = _with_replicas(slots, replicas or {})
     held, notes = read_snapshots(slots)
+    notes = replica_notes + notes
     for note in notes:
         logger.warning("%s", note)
     snapshots = [s for by_step in held.values() for s in by_step.values()]
@@ -234,6 +250,26 @@ def persist_newest(slots: Mapping[int, Sequence[str]], *, progress: Progress | N
     if why and result.ok:
         result.reason += f" ({why})"
     return result
+
+
+def _with_replicas(slots: Mapping[int, Sequence[str]], replicas: Mapping[int, Sequence[str]],
+                   ) -> tuple[dict[int, list[str]], list[str]]:
+    """``slots`` plus the intact replica slots of the ranks it lacks, and notes on the damaged ones."""
+    merged = {rank: list(paths) for rank, paths in slots.items()}
+    notes = []
+    for rank, paths in replicas.items():
+        if rank in merged:
+            continue
+        intact = []
+        for path in paths:
+            problem = verify(path)
+            if problem is None:
+                intact.append(path)
+            elif "no complete replica" not in problem:
+                notes.append(f"rank {rank}: {problem}")
+        if intact:
+            merged[rank] = intact
+    return merged, notes
 
 
 def _mismatch(chosen: Sequence[Snapshot]) -> str | None:

@@ -226,6 +226,14 @@ class Slot:
         """Hold an exclusive lock on the slot file (the saver, while it persists the slot)."""
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
+    def try_lock(self) -> bool:
+        """Take the exclusive lock if no one holds it; whether it was taken."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
     def unlock(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
 

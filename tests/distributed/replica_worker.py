@@ -3,7 +3,8 @@
 Every rank trains the same tiny model on batches of its own; the gradients are averaged in rank
 order (all_gather, then summed rank 0 first), so every rank holds the same parameters and a run is
 reproducible bit for bit: :func:`reference` computes it in one process. It resumes with ``load()``,
-snapshots every step into memory and persists every ``--persist-every`` steps. With ``--pause-at``
+snapshots every step into memory and persists every ``--persist-every`` steps. With ``--api dcp``
+it saves and resumes through the DCP adapter (``flash_dcp.save`` / ``flash_dcp.load``) instead. With ``--pause-at``
 it stops after that step's save, touches ``<out>/paused-<rank>`` and waits to be killed. Each rank
 writes ``<out>/rank-<rank>.json`` (its load, its saves) and, at the end, ``<out>/final-<rank>.pt``.
 """
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flashckpt_integrations import Checkpointer
+from flashckpt_integrations.adapters import dcp as flash_dcp
 
 
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -64,12 +66,15 @@ def main() -> None:
     parser.add_argument("--persist-every", type=int, default=5)
     parser.add_argument("--pause-at", type=int, default=0)
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--api", choices=("core", "dcp"), default="core")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = make_model()
-    ck = Checkpointer(args.ckpt, replicas=args.replicas)
+    dcp = args.api == "dcp"
+    ck = Checkpointer(args.ckpt, flash_dcp.checkpointer_config() if dcp else None, replicas=args.replicas)
+    progress = {"step": torch.zeros((), dtype=torch.int64)}
     record = {"rank": rank, "pid": os.getpid(), "run_dir": ck.run_dir, "saves": []}
     path = os.path.join(args.out, f"rank-{rank}.json")
 
@@ -79,9 +84,11 @@ def main() -> None:
         os.replace(path + ".tmp", path)
 
     started = time.perf_counter()
-    loaded = ck.load()
+    loaded = flash_dcp.load(ck, {"model": model, "optim": opt, "progress": progress}) if dcp else ck.load()
     start = 0
-    if loaded is not None:
+    if dcp:
+        start = int(progress["step"])
+    elif loaded is not None:
         model.load_state_dict(loaded.state["model"])
         opt.load_state_dict(loaded.state["optim"])
         start = loaded.state["step"]
@@ -94,8 +101,13 @@ def main() -> None:
         for i, g in enumerate(grads):
             dist.all_gather([gathered[r][i] for r in range(world)], g)
         apply_mean(model, opt, gathered)
-        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
-        result = ck.save(step, state, persist=step % args.persist_every == 0)
+        persist = step % args.persist_every == 0
+        if dcp:
+            progress["step"].fill_(step)
+            result = flash_dcp.save(ck, step, {"model": model, "optim": opt, "progress": progress}, persist=persist)
+        else:
+            result = ck.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step},
+                             persist=persist)
         record["saves"].append({"step": step, "status": result.status.value, "blocking_s": result.blocking_s})
         if step == args.pause_at:
             flush()

@@ -3,7 +3,11 @@ agents with their own node id, shared-memory directory and saver; one rank on no
 1), memory snapshots every step, a persist every 5. Node 1 is killed whole (ranks, saver, agent)
 and its shared memory deleted, node 0's processes are killed too, the committed step directories
 are moved away; the relaunched job resumes every rank from memory at the newest step (node 1's
-ranks from node 0's replicas) and ends with the parameters of an uninterrupted run, bit for bit."""
+ranks from node 0's replicas) and ends with the parameters of an uninterrupted run, bit for bit:
+through ``Checkpointer.load`` and through an adapter's resume (the DCP adapter's ``load``, which
+decides the step itself, as every adapter does). Before the relaunch, with the engine API, node 0
+alone persists and commits the paused step (``flashckpt persist --from-replicas``: node 1's ranks
+from the replicas node 0 holds), and torch's own loader reads every rank's file."""
 
 from __future__ import annotations
 
@@ -79,12 +83,13 @@ def kill_node(node_ranks: list[dict], proc: subprocess.Popen) -> None:
     kill_savers(node_ranks[0]["run_dir"])
 
 
-def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir, capsys):
+@pytest.mark.parametrize("api", ["core", "dcp"])
+def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir, capsys, api):
     ckpt, job = tmp_path / "ckpt", job_key(str(tmp_path / "ckpt"))
     shm = [private_dir(os.path.join(private_shm_dir, f"node{n}")) for n in (0, 1)]
     run_dirs = [run_dir_for(job, job_key(f"node{n}")[:8]) for n in (0, 1)]
     try:
-        first = launch(ckpt, tmp_path / "run1", shm, "--pause-at", str(PAUSE))
+        first = launch(ckpt, tmp_path / "run1", shm, "--pause-at", str(PAUSE), "--api", api)
         wait_for(lambda: all(os.path.exists(tmp_path / "run1" / f"paused-{r}") for r in range(WORLD)), "step 12",
                  first)
         wait_for(lambda: holds(shm[0], job).get(1, set()) >= {PAUSE} and holds(shm[0], job).get(2, set()) >= {PAUSE}
@@ -106,10 +111,22 @@ def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir
         for run_dir in run_dirs:
             assert not saver_pids(run_dir)
         private_dir(shm[1])
+        if api == "core":  # node 0 alone persists and commits step 12: node 1's ranks from its replicas
+            capsys.readouterr()
+            assert cli.main(["persist", str(ckpt), "--shm-dir", shm[0], "--from-replicas"]) == 0
+            said = capsys.readouterr().out
+            assert f"step {PAUSE} is committed (ranks [0, 1, 2]" in said, said
+            at_pause = reference(PAUSE, WORLD)
+            for rank in range(WORLD):  # torch's own loader reads every rank's file
+                saved = torch.load(ckpt / f"step-{PAUSE}" / f"rank-{rank}.pt", weights_only=True)
+                assert saved["step"] == PAUSE
+                for name, value in at_pause.items():
+                    assert torch.equal(saved["model"][name], value), f"rank {rank} {name}"
+            os.rename(ckpt / f"step-{PAUSE}", tmp_path / f"moved-step-{PAUSE}")
         for step in (5, 10):  # were storage read, the relaunch would fail
             os.rename(ckpt / f"step-{step}", tmp_path / f"moved-step-{step}")
 
-        second = launch(ckpt, tmp_path / "run2", shm)
+        second = launch(ckpt, tmp_path / "run2", shm, "--api", api)  # the DCP adapter's resume: replicas too
         for node, proc in enumerate(second):
             output, _ = proc.communicate(timeout=240)
             assert proc.returncode == 0, f"node {node}:\n{output[-4000:]}"
