@@ -8,10 +8,14 @@ every step into memory and persists every ``--persist-every`` steps and the last
 1 is lost whole (its ranks, its saver, its shared memory), node 0's processes are killed too, and
 the job is relaunched: node 1's ranks restore from storage (``replicas=0``) or from node 0's
 memory (``replicas=1``). It reports the median and 90th percentile of the training step time and
-of the save's blocking time, and each rank's restore time on the relaunch.
+of the save's blocking time, each rank's restore time on the relaunch, and what each node's
+saver sent for its newest copy. With ``--data-parallel`` every rank holds the same state (as
+data-parallel replicas do) and a third case runs ``replicas=1`` with the data-parallel reuse off
+(``FLASHCKPT_REPLICA_REUSE=0``): the bytes sent per snapshot with and without it.
 
     python benchmarks/bench_replication.py                    # 256 MiB per rank, 1 rank per node
     python benchmarks/bench_replication.py --mib 1024 --steps 40 --json out.json
+    python benchmarks/bench_replication.py --data-parallel --mib 256
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator().manual_seed(0 if args.data_parallel else rank)
     count = 64
     state = {f"w{i:02d}": torch.randn(args.mib * (1 << 20) // 4 // count, generator=gen) for i in range(count)}
     work = torch.randn(256, 256, generator=gen)
@@ -100,7 +104,7 @@ def _free_port() -> int:
 
 
 def _launch(args: argparse.Namespace, ckpt: str, out: str, shm: list[str], replicas: int,
-            load_only: bool) -> list[subprocess.Popen]:
+            load_only: bool, reuse: bool = True) -> list[subprocess.Popen]:
     os.makedirs(out, exist_ok=True)
     port = _free_port()
     procs = []
@@ -109,9 +113,10 @@ def _launch(args: argparse.Namespace, ckpt: str, out: str, shm: list[str], repli
                f"--nproc-per-node={args.nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
                os.path.abspath(__file__), "--worker", "--ckpt", ckpt, "--out", out, "--replicas", str(replicas),
                "--mib", str(args.mib), "--steps", str(args.steps), "--persist-every", str(args.persist_every),
-               "--matmuls", str(args.matmuls), *(["--load-only"] if load_only else [])]
+               "--matmuls", str(args.matmuls), *(["--load-only"] if load_only else []),
+               *(["--data-parallel"] if args.data_parallel else [])]
         env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_NODE_ID": f"bench-node{node}",
-               "FLASHCKPT_SHM_DIR": shm[node]}
+               "FLASHCKPT_SHM_DIR": shm[node], "FLASHCKPT_REPLICA_REUSE": "1" if reuse else "0"}
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
     return procs
@@ -171,7 +176,23 @@ def _replica_steps(shm: str, ckpt: str) -> set[tuple[int, int]]:
     return {(r.rank, r.step) for r in list_replicas(shm, job_key(ckpt))}
 
 
-def run_case(args: argparse.Namespace, base: str, replicas: int) -> dict[str, Any]:
+def _copies(records: list[dict[str, Any]], nproc: int) -> list[dict[str, Any]]:
+    """Each rank's newest copy to the other node, as its saver reported it (``bytes``, ``sent``)."""
+    from flashckpt_integrations.core.replication import STATUS_FILE
+
+    copies = []
+    for record in records:
+        node = record["rank"] // nproc
+        try:
+            with open(os.path.join(record["run_dir"], STATUS_FILE)) as f:
+                sent = json.load(f)["sent"].get(str(record["rank"]), {}).get(str(1 - node), {})
+        except (OSError, ValueError, KeyError):
+            sent = {}
+        copies.append(sent)
+    return copies
+
+
+def run_case(args: argparse.Namespace, base: str, replicas: int, reuse: bool = True) -> dict[str, Any]:
     ckpt = os.path.join(base, f"ckpt-r{replicas}")
     shm_base = tempfile.mkdtemp(prefix=f"flashckpt-bench-r{replicas}-", dir=args.shm_dir)
     shm = [os.path.join(shm_base, f"node{n}") for n in (0, 1)]
@@ -179,8 +200,9 @@ def run_case(args: argparse.Namespace, base: str, replicas: int) -> dict[str, An
         os.mkdir(path, 0o700)
     world = 2 * args.nproc
     train_out, load_out = os.path.join(base, f"train-r{replicas}"), os.path.join(base, f"load-r{replicas}")
-    procs = _launch(args, ckpt, train_out, shm, replicas, load_only=False)
+    procs = _launch(args, ckpt, train_out, shm, replicas, load_only=False, reuse=reuse)
     records: list[dict[str, Any]] = []
+    copies: list[dict[str, Any]] = []
     try:
         _wait(lambda: all(os.path.exists(os.path.join(train_out, f"done-{r}")) for r in range(world)), procs,
               "training")
@@ -189,11 +211,14 @@ def run_case(args: argparse.Namespace, base: str, replicas: int) -> dict[str, An
             node1 = set(range(args.nproc, world))
             _wait(lambda: {(r, args.steps) for r in node1} <= _replica_steps(shm[0], ckpt), procs,
                   "node 0 to hold node 1's newest snapshots", timeout=120)
+            _wait(lambda: all(c.get("step") == args.steps for c in _copies(records, args.nproc)), procs,
+                  "the savers' reports of the newest copies", timeout=120)
+            copies = _copies(records, args.nproc)
         _kill(procs, records)
         shutil.rmtree(shm[1])  # node 1 is replaced: none of its memory is left,
         _evict(ckpt)  # and nothing of the checkpoint is in its page cache
         os.mkdir(shm[1], 0o700)
-        procs = _launch(args, ckpt, load_out, shm, replicas, load_only=True)
+        procs = _launch(args, ckpt, load_out, shm, replicas, load_only=True, reuse=reuse)
         for proc in procs:
             output, _ = proc.communicate(timeout=1800)
             if proc.returncode != 0:
@@ -202,8 +227,8 @@ def run_case(args: argparse.Namespace, base: str, replicas: int) -> dict[str, An
     finally:
         _kill(procs, records)
         shutil.rmtree(shm_base, ignore_errors=True)
-    return {"replicas": replicas, "steps": [s for r in records for s in r["steps"][1:]],  # step 1 makes the slots
-            "loads": loads}
+    return {"replicas": replicas, "reuse": reuse, "steps": [s for r in records for s in r["steps"][1:]],
+            "loads": loads, "copies": copies}  # (step 1 makes the slots: not counted)
 
 
 def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -215,9 +240,12 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         fetches = [s["fetched"]["seconds"] for s in samples if s["fetched"]]
         loads.append({"seconds": statistics.median(s["seconds"] for s in samples), "source": samples[0]["source"],
                       "fetched": {"seconds": statistics.median(fetches)} if fetches else None, "samples": samples})
-    return {"replicas": runs[0]["replicas"], "repeats": len(runs),
+    copies = [c for run in runs for c in run["copies"] if c.get("bytes")]
+    return {"replicas": runs[0]["replicas"], "reuse": runs[0]["reuse"], "repeats": len(runs),
             **{key: _stats([s[key] for s in steps]) for key in ("step_s", "compute_s", "blocking_s")},
-            "loads": loads}
+            "loads": loads,
+            "sent_share": statistics.median(c["sent"] / c["bytes"] for c in copies) if copies else None,
+            "sent_bytes": statistics.median(c["sent"] for c in copies) if copies else None}
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -236,6 +264,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the two nodes' shared memory goes")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="every rank holds the same state; adds replicas=1 with the data-parallel reuse off")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -245,15 +275,16 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    runs: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
-    for _ in range(args.repeats):  # alternating, so that both see the same machine noise
-        for replicas in (0, 1):
+    cases = [(0, True), (1, True)] + ([(1, False)] if args.data_parallel else [])
+    runs: dict[tuple[int, bool], list[dict[str, Any]]] = {case: [] for case in cases}
+    for repeat in range(args.repeats):  # alternating, so that every case sees the same machine noise
+        for case in cases if repeat % 2 == 0 else cases[::-1]:
             base = tempfile.mkdtemp(prefix="flashckpt-bench-replication-", dir=args.dir)
             try:
-                runs[replicas].append(run_case(args, base, replicas))
+                runs[case].append(run_case(args, base, *case))
             finally:
                 shutil.rmtree(base, ignore_errors=True)
-    results = [_merge(runs[0]), _merge(runs[1])]
+    results = [_merge(runs[case]) for case in cases]
     report(args, results)
     if args.json:
         with open(args.json, "w") as f:
@@ -262,14 +293,21 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
-    off, on = results
+    off, on = results[:2]
     print(f"{args.mib} MiB per rank, 2 nodes x {args.nproc} rank(s), {args.steps} steps, a memory snapshot every "
-          f"step, persisted every {args.persist_every}; {os.cpu_count()} CPU cores; medians of {args.repeats} runs")
-    print(f"{'':34}{'replicas=0':>14}{'replicas=1':>14}")
+          f"step, persisted every {args.persist_every}; {os.cpu_count()} CPU cores; medians of {args.repeats} runs"
+          + ("; every rank holds the same state" if args.data_parallel else ""))
+    names = [f"replicas={r['replicas']}" + ("" if r["reuse"] else ", no reuse") for r in results]
+    print(f"{'':34}" + "".join(f"{name:>22}" for name in names))
     for label, key in (("training step (compute + save)", "step_s"), ("  compute alone", "compute_s"),
                        ("save blocking time", "blocking_s")):
         for stat in ("median", "p90"):
-            print(f"{label + ' ' + stat:34}{off[key][stat] * 1e3:>11.1f} ms{on[key][stat] * 1e3:>11.1f} ms")
+            print(f"{label + ' ' + stat:34}" + "".join(f"{r[key][stat] * 1e3:>19.1f} ms" for r in results))
+    print(f"{'replicas=0 step time / this':34}" + "".join(
+        f"{off['step_s']['median'] / r['step_s']['median']:>22.3f}" for r in results))
+    print(f"{'sent per snapshot (newest copy)':34}" + "".join(
+        f"{'-':>22}" if r["sent_bytes"] is None else f"{r['sent_bytes'] / 2**20:>12.2f} MiB ({r['sent_share']:.2%})"
+        for r in results))
     print("restore after node 1 was replaced (its memory gone, the checkpoint files not in its page cache):")
     for rank, (a, b) in enumerate(zip(off["loads"], on["loads"])):
         node = rank // args.nproc

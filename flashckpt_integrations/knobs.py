@@ -33,6 +33,9 @@ toward MASTER_ADDR)."""
 REPLICA_SHM_RESERVE = "FLASHCKPT_REPLICA_SHM_RESERVE"
 """Bytes of shared memory a saver leaves free when it takes a replica (default: 10% of the file
 system); a replica that needs more is skipped and reported."""
+REPLICA_REUSE = "FLASHCKPT_REPLICA_REUSE"
+"""``0``: a saver takes every peer's replica whole, never copying identical data-parallel bytes
+from its own ranks' snapshots (see ``core/replica_reuse.py``; default on)."""
 NODE_CHECK_PLUGINS = "FLASHCKPT_NODE_CHECK_PLUGINS"
 """Comma-separated modules the node check imports before it picks a check (they call
 ``register_node_check``; the last registered available check wins). Tests use it to make a rank slow."""

@@ -611,7 +611,7 @@ class Checkpointer(LoadPath):
         atexit.unregister(self._atexit)
         for hook in self._hooks:
             hook.remove()
-        self._background.shutdown(wait=True, cancel_futures=True)
+        self._background.shutdown(wait=True)  # a queued purge (retention after a direct commit) still runs
         self._copier.shutdown(wait=True)
         self._requester.shutdown(wait=True)
         self._replicas.close()

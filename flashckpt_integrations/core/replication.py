@@ -20,7 +20,8 @@ Call order (one :class:`Replication` per saver):
    the replica slots, the peer record and the status file.
 
 Between savers, on the authenticated channel of :mod:`.peers`: ``push`` (a copy for the store:
-announced, accepted or skipped with the reason, streamed, then confirmed intact by the sender),
+announced, accepted or skipped with the reason, streamed (only the bytes the receiver's own
+data-parallel ranks do not hold: :mod:`.replica_reuse`), then confirmed intact by the sender),
 ``inventory`` and ``fetch``. The source slot is read optimistically, never locked: its header is
 read before and after the bytes, and a copy whose source changed meanwhile is discarded.
 """
@@ -41,7 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from . import peers
+from . import peers, replica_reuse
 from .peers import Channel, PeerAuthError, PeerRecord
 from .protocol import SLOTS_FILE
 from .replica_slots import (
@@ -111,6 +112,7 @@ class Replication:
         self._survey: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self._survey_lock = threading.Lock()
         self._status: dict[str, Any] = {"sent": {}}
+        self._local_crcs = replica_reuse.LocalCrcs()
         self._status_lock = threading.Lock()
         self._closed = False
 
@@ -326,9 +328,16 @@ class Replication:
         except (KeyError, ValueError, TypeError) as exc:
             channel.send({"accept": False, "reason": f"bad request: {exc}"})
             return
-        channel.send({"accept": True})
+        candidates = replica_reuse.local_candidates(self.run_dir, step) if replica_reuse.enabled() else []
+        channel.send({"accept": True, "compare": bool(candidates)})
         try:  # TCP guards the transfer; the sender's checksum is kept, and every restore verifies it
-            recv_range(channel.recv_into, slot, HEADER_SIZE, nbytes, checksum=False)
+            if candidates:  # this node's own snapshots of the step may hold the same bytes
+                parts = [replica_reuse.Piece.from_list(p) for p in channel.recv()["pieces"]]
+                reused = self._local_crcs.reuse(slot, parts, candidates)
+                channel.send({"reused": sorted(reused)})
+                replica_reuse.recv_pieces(channel.recv_into, slot, parts, reused)
+            else:
+                recv_range(channel.recv_into, slot, HEADER_SIZE, nbytes, checksum=False)
             trailer = channel.recv()
         except BaseException:  # the sender went away mid-copy: the previous replica stays
             self.store.abandon(slot, rank)
@@ -576,7 +585,15 @@ class _Sender:
                                answer.get("reason"))
                 self.owner.report(self.node, note, ok=False, reason=f"skipped: {answer.get('reason')}")
             return
-        crc = send_range(channel.sock, slot, HEADER_SIZE, head["nbytes"])
+        if answer.get("compare"):  # the receiver holds snapshots of this step: send what it lacks
+            parts = replica_reuse.pieces(slot, header, HEADER_SIZE, head["nbytes"])
+            channel.send({"pieces": [p.to_list() for p in parts]})
+            reused = set(channel.recv().get("reused", []))
+            sent = replica_reuse.send_pieces(channel.sock, slot, parts, reused)
+            crc = replica_reuse.whole_crc(parts)
+        else:
+            crc = send_range(channel.sock, slot, HEADER_SIZE, head["nbytes"])
+            sent = head["nbytes"] - HEADER_SIZE
         intact = same_snapshot(header, slot.read_header())
         channel.send({"crc": crc, "intact": intact})
         result = channel.recv()
@@ -588,8 +605,8 @@ class _Sender:
             logger.warning("node %d did not keep rank %d step %d: %s", self.node, rank, step, result.get("error"))
             self.owner.report(self.node, note, ok=False, reason=result.get("error"))
             return
-        self.owner.report(self.node, note, ok=True, seconds=round(elapsed, 4), bytes=head["nbytes"])
+        self.owner.report(self.node, note, ok=True, seconds=round(elapsed, 4), bytes=head["nbytes"], sent=sent)
         (logger.info if self._failing is not None or not self._succeeded else logger.debug)(
-            "rank %d step %d is replicated on node %d (%.1f MiB in %.3fs)", rank, step, self.node,
-            head["nbytes"] / 2**20, elapsed)
+            "rank %d step %d is replicated on node %d (%.1f MiB in %.3fs, %.1f MiB of it sent)", rank, step,
+            self.node, head["nbytes"] / 2**20, elapsed, sent / 2**20)
         self._failing, self._succeeded = None, True

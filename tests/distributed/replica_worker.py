@@ -22,9 +22,9 @@ from flashckpt_integrations import Checkpointer
 from flashckpt_integrations.adapters import dcp as flash_dcp
 
 
-def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def make_model(width: int = 32) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 16))
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
@@ -45,12 +45,12 @@ def apply_mean(model: torch.nn.Module, opt: torch.optim.Optimizer, per_rank: lis
     opt.step()
 
 
-def reference(steps: int, world: int) -> dict[str, torch.Tensor]:
+def reference(steps: int, world: int, width: int = 32) -> dict[str, torch.Tensor]:
     """The parameters after ``steps`` uninterrupted steps of a ``world``-rank job."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model, opt = make_model()
+        model, opt = make_model(width)
         for step in range(1, steps + 1):
             apply_mean(model, opt, [rank_gradients(model, step, r) for r in range(world)])
         return {k: v.clone() for k, v in model.state_dict().items()}
@@ -67,11 +67,12 @@ def main() -> None:
     parser.add_argument("--pause-at", type=int, default=0)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--api", choices=("core", "dcp"), default="core")
+    parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = make_model()
+    model, opt = make_model(args.width)
     dcp = args.api == "dcp"
     ck = Checkpointer(args.ckpt, flash_dcp.checkpointer_config() if dcp else None, replicas=args.replicas)
     progress = {"step": torch.zeros((), dtype=torch.int64)}

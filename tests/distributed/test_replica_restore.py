@@ -7,7 +7,9 @@ ranks from node 0's replicas) and ends with the parameters of an uninterrupted r
 through ``Checkpointer.load`` and through an adapter's resume (the DCP adapter's ``load``, which
 decides the step itself, as every adapter does). Before the relaunch, with the engine API, node 0
 alone persists and commits the paused step (``flashckpt persist --from-replicas``: node 1's ranks
-from the replicas node 0 holds), and torch's own loader reads every rank's file."""
+from the replicas node 0 holds), and torch's own loader reads every rank's file. The ranks are
+data-parallel replicas of one another: with the engine API (a 1 MB state), what node 1's saver
+sends node 0 for each rank is under 1% of the snapshot, the rest copied from node 0's own rank."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from flashckpt_integrations import cli
 from flashckpt_integrations.core.client import job_key, private_dir, run_dir_for
 from flashckpt_integrations.core.replica_slots import list_replicas
+from flashckpt_integrations.core.replication import STATUS_FILE
 from tests.distributed.launch import HERE, env, free_port, torchrun_cmd
 from tests.distributed.replica_worker import reference
 from tests.helpers import kill_savers, saver_pids
@@ -34,6 +37,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 NPROC = (1, 2)
 WORLD = sum(NPROC)
 STEPS, PAUSE = 20, 12
+WIDE = 4096
 
 
 def launch(ckpt, out, shm, *extra: str) -> list[subprocess.Popen]:
@@ -83,19 +87,34 @@ def kill_node(node_ranks: list[dict], proc: subprocess.Popen) -> None:
     kill_savers(node_ranks[0]["run_dir"])
 
 
+def sent_to(run_dir: str, rank: int, node: int) -> dict:
+    """The outcome of the newest copy of ``rank`` to ``node``, from its saver's status file."""
+    try:
+        with open(os.path.join(run_dir, STATUS_FILE)) as f:
+            return json.load(f)["sent"].get(str(rank), {}).get(str(node), {})
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 @pytest.mark.parametrize("api", ["core", "dcp"])
 def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir, capsys, api):
     ckpt, job = tmp_path / "ckpt", job_key(str(tmp_path / "ckpt"))
     shm = [private_dir(os.path.join(private_shm_dir, f"node{n}")) for n in (0, 1)]
     run_dirs = [run_dir_for(job, job_key(f"node{n}")[:8]) for n in (0, 1)]
     try:
-        first = launch(ckpt, tmp_path / "run1", shm, "--pause-at", str(PAUSE), "--api", api)
+        width = ["--width", str(WIDE)] if api == "core" else []  # a state of 1 MB: the reuse shows
+        first = launch(ckpt, tmp_path / "run1", shm, "--pause-at", str(PAUSE), "--api", api, *width)
         wait_for(lambda: all(os.path.exists(tmp_path / "run1" / f"paused-{r}") for r in range(WORLD)), "step 12",
                  first)
         wait_for(lambda: holds(shm[0], job).get(1, set()) >= {PAUSE} and holds(shm[0], job).get(2, set()) >= {PAUSE}
                  and PAUSE in holds(shm[1], job).get(0, set()), "the replicas of step 12", first)
         assert set(holds(shm[0], job)) == {1, 2}, "node 0 holds node 1's ranks (the newest copies: some are skipped)"
         assert set(holds(shm[1], job)) == {0}, "node 1 holds node 0's rank"
+        if api == "core":  # data-parallel ranks: node 0's own rank holds the same tensors, only the rest travels
+            for rank in (1, 2):
+                wait_for(lambda r=rank: sent_to(run_dirs[1], r, 0).get("step") == PAUSE, "the copy's report", first)
+                copy = sent_to(run_dirs[1], rank, 0)
+                assert copy["ok"] and copy["sent"] < copy["bytes"] / 100, copy
 
         capsys.readouterr()
         assert cli.main(["ls", str(ckpt), "--shm-dir", shm[0]]) == 0
@@ -116,7 +135,7 @@ def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir
             assert cli.main(["persist", str(ckpt), "--shm-dir", shm[0], "--from-replicas"]) == 0
             said = capsys.readouterr().out
             assert f"step {PAUSE} is committed (ranks [0, 1, 2]" in said, said
-            at_pause = reference(PAUSE, WORLD)
+            at_pause = reference(PAUSE, WORLD, WIDE)
             for rank in range(WORLD):  # torch's own loader reads every rank's file
                 saved = torch.load(ckpt / f"step-{PAUSE}" / f"rank-{rank}.pt", weights_only=True)
                 assert saved["step"] == PAUSE
@@ -126,7 +145,7 @@ def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir
         for step in (5, 10):  # were storage read, the relaunch would fail
             os.rename(ckpt / f"step-{step}", tmp_path / f"moved-step-{step}")
 
-        second = launch(ckpt, tmp_path / "run2", shm, "--api", api)  # the DCP adapter's resume: replicas too
+        second = launch(ckpt, tmp_path / "run2", shm, "--api", api, *width)  # the DCP adapter's resume: replicas too
         for node, proc in enumerate(second):
             output, _ = proc.communicate(timeout=240)
             assert proc.returncode == 0, f"node {node}:\n{output[-4000:]}"
@@ -137,7 +156,7 @@ def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir
         assert recs[0]["load"]["fetched"] is None, "node 0's rank restores from its own memory"
         for rec in recs[1:]:
             assert rec["load"]["fetched"]["from_node"] == 0, rec["load"]
-        expected = reference(STEPS, WORLD)
+        expected = reference(STEPS, WORLD, WIDE if api == "core" else 32)
         for rank in range(WORLD):
             final = torch.load(tmp_path / "run2" / f"final-{rank}.pt")
             for name, value in expected.items():

@@ -75,6 +75,7 @@ class KillAfterSnapshot(TrainerCallback):
             return
         last = self.trainer.flash_last_save
         assert last is not None and last.step == self.step and last.status.value == "in_memory", last
+        self.trainer.flash_checkpointer.wait_for_snapshot()  # an overlapped copy (async_snapshot) is done
         dist.barrier()  # every rank holds the snapshot; then rank 0 dies and torchrun ends the other
         if args.process_index == 0:
             print(json.dumps({"killing_at": self.step}), flush=True)

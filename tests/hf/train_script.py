@@ -34,6 +34,7 @@ class KillAfterSnapshot(TrainerCallback):
         if state.global_step == self.step:
             last = self.trainer.flash_last_save
             assert last is not None and last.step == self.step and last.status.value == "in_memory", last
+            self.trainer.flash_checkpointer.wait_for_snapshot()  # an overlapped copy (async_snapshot) is done
             if dist.is_initialized():
                 dist.barrier()  # every rank holds the snapshot; then rank 0 dies and torchrun ends the others
             if args.process_index == 0:

@@ -1,0 +1,278 @@
+"""Data-parallel reuse for peer replicas: a push sends only the bytes the receiver lacks.
+
+Where data-parallel ranks hold identical tensors (DDP, DeepSpeed ZeRO-0, Megatron-LM without the
+distributed optimizer), a rank's snapshot has, at the same offsets, the same bytes as the
+snapshot of the same step that a rank on the receiving node took itself: the same state packs
+into the same layout. The receiver then copies those bytes from its own slot into the replica,
+and only what differs (the metadata, RNG states, unique shards) travels. Nothing is assumed:
+each piece is reused only when its crc32 and its Adler-32 (64 bits together: shards of the same
+shape at the same offset, as tensor-parallel ranks hold, must not pass for each other) equal the
+sender's, and only when the local snapshot did not change while it was read (its header, before
+and after, as every copy here).
+
+Call order, for one ``push`` (:mod:`.replication`; sender S, receiver R):
+
+1. R, on the announcement: :func:`local_candidates` (its own ranks' complete snapshots of that
+   step). With one, it answers ``accept`` with ``compare``; without, the copy goes whole.
+2. S: :func:`pieces` cuts the snapshot at its tensor regions and checksums each piece in one
+   pass, and sends the list; :func:`whole_crc` gives the crc32 of the whole copy from it.
+3. R: :meth:`LocalCrcs.reuse` copies every matching piece from a candidate into the replica
+   slot and answers the indices it reused (none, when a candidate changed meanwhile).
+4. S: :func:`send_pieces` streams the other pieces; R: :func:`recv_pieces` writes them in place.
+
+``$FLASHCKPT_REPLICA_REUSE=0`` turns it off on the receiving node (every copy goes whole).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import json
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import knobs
+from .._utils.faults import fault_point
+from ..errors import CorruptCheckpointError, SharedMemoryError
+from .protocol import SLOTS_FILE
+from .replica_slots import same_snapshot
+from .shm_buffer import Slot, SlotHeader, SlotState
+
+CHUNK = 4 << 20
+MIN_PIECE = 4 << 10
+"""Regions smaller than this travel with the bytes around them (not worth a comparison)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    offset: int
+    length: int
+    crc: int
+    adler: int
+    reusable: bool
+    """A tensor region, which the receiver may hold at the same offset."""
+
+    def to_list(self) -> list[int]:
+        return [self.offset, self.length, self.crc, self.adler, int(self.reusable)]
+
+    @classmethod
+    def from_list(cls, item: list[int]) -> Piece:
+        offset, length, crc, adler, reusable = (int(v) for v in item)
+        if offset < 0 or length < 0:
+            raise ValueError(f"a piece at {offset} of {length} bytes")
+        return cls(offset, length, crc, adler, bool(reusable))
+
+
+def enabled() -> bool:
+    return knobs.get(knobs.REPLICA_REUSE, "1") != "0"
+
+
+# --- the sender ----------------------------------------------------------------------------
+
+
+def pieces(slot: Slot, header: SlotHeader, start: int, end: int) -> list[Piece]:
+    """``slot[start:end]`` cut at the snapshot's tensor regions, each piece with its crc32."""
+    regions = sorted((int(o), int(n)) for o, n in slot.read_metadata(header).get("regions", []) if n >= MIN_PIECE)
+    out: list[Piece] = []
+    at = start
+    for offset, length in regions:
+        if offset < at or offset + length > end:
+            continue  # overlapping or outside: left inside the pieces around it
+        if offset > at:
+            out.append(Piece(at, offset - at, *_sums(slot, at, offset - at), False))
+        out.append(Piece(offset, length, *_sums(slot, offset, length), True))
+        at = offset + length
+    if end > at:
+        out.append(Piece(at, end - at, *_sums(slot, at, end - at), False))
+    return out
+
+
+def whole_crc(parts: list[Piece]) -> int:
+    """The crc32 of the pieces' bytes one after the other."""
+    crc = 0
+    for piece in parts:
+        crc = crc32_combine(crc, piece.crc, piece.length)
+    return crc
+
+
+def send_pieces(sock: Any, slot: Slot, parts: list[Piece], reused: set[int]) -> int:
+    """Stream the bytes of every piece not in ``reused``, in order; return how many were sent."""
+    sent = 0
+    for index, piece in enumerate(parts):
+        if index in reused:
+            continue
+        for offset in range(piece.offset, piece.offset + piece.length, CHUNK):
+            n = min(CHUNK, piece.offset + piece.length - offset)
+            with slot.memoryview(offset, n) as view:
+                sock.sendall(view)
+        sent += piece.length
+    return sent
+
+
+# --- the receiver --------------------------------------------------------------------------
+
+
+def local_candidates(run_dir: str, step: int) -> list[str]:
+    """The slot files of this node's ranks that hold a complete snapshot of ``step``."""
+    found = []
+    for record in sorted(glob.glob(os.path.join(run_dir, SLOTS_FILE.format(rank="*")))):
+        try:
+            with open(record) as f:
+                paths = json.load(f).get("slots", [])
+        except (OSError, ValueError):
+            continue
+        for path in paths:
+            header = _header_of(path)
+            if header is not None and header.state is SlotState.COMPLETE and header.step == step:
+                found.append(path)
+    return found
+
+
+def recv_pieces(recv_into: Callable[[memoryview], None], slot: Slot, parts: list[Piece], reused: set[int]) -> int:
+    """Receive the bytes of every piece not in ``reused`` into place; return how many arrived."""
+    received = 0
+    for index, piece in enumerate(parts):
+        if index in reused:
+            continue
+        for offset in range(piece.offset, piece.offset + piece.length, CHUNK):
+            n = min(CHUNK, piece.offset + piece.length - offset)
+            with slot.memoryview(offset, n) as view:
+                recv_into(view)
+        if not received:
+            fault_point("replica.receive")  # part of the copy is in place
+        received += piece.length
+    return received
+
+
+class LocalCrcs:
+    """Checksums of this node's own snapshots, by slot, seq and piece (each read once per snapshot,
+    however many peers' replicas are compared with it). Thread-safe enough: a race computes twice."""
+
+    def __init__(self) -> None:
+        self._crcs: dict[str, tuple[int, dict[tuple[int, int], tuple[int, int]]]] = {}
+
+    def reuse(self, replica: Slot, parts: list[Piece], candidates: list[str]) -> set[int]:
+        """Copy each reusable piece that a candidate holds (same offset, length and crc32) into
+        ``replica``; the indices copied, or none when a candidate changed while it was read."""
+        reused: set[int] = set()
+        opened: list[tuple[Slot, SlotHeader]] = []
+        try:
+            for path in candidates:
+                with contextlib.suppress(SharedMemoryError, CorruptCheckpointError, OSError):
+                    slot = Slot.attach(path)
+                    if slot is None:
+                        continue
+                    header = slot.read_header()
+                    if header is None or header.state is not SlotState.COMPLETE:
+                        slot.close()
+                        continue
+                    opened.append((slot, header))
+            for index, piece in enumerate(parts):
+                if not piece.reusable or piece.offset + piece.length > replica.size:
+                    continue
+                for slot, header in opened:
+                    if (piece.offset + piece.length <= slot.size
+                            and self._sums(slot, header, piece) == (piece.crc, piece.adler)):
+                        _copy(slot, replica, piece)
+                        reused.add(index)
+                        break
+            if not all(same_snapshot(slot.read_header(), header) for slot, header in opened):
+                return set()  # a save began in a candidate meanwhile: the copied bytes are not trusted
+            return reused
+        finally:
+            for slot, _ in opened:
+                slot.close()
+
+    def _sums(self, slot: Slot, header: SlotHeader, piece: Piece) -> tuple[int, int] | None:
+        seq, known = self._crcs.get(slot.path, (None, {}))
+        if seq != header.seq:
+            known = {}
+            self._crcs[slot.path] = (header.seq, known)
+        key = (piece.offset, piece.length)
+        if key not in known:
+            sums = _sums(slot, piece.offset, piece.length)
+            if not same_snapshot(slot.read_header(), header):
+                return None  # changing under us: matches nothing
+            known[key] = sums
+        return known[key]
+
+
+def _copy(source: Slot, target: Slot, piece: Piece) -> None:
+    for offset in range(piece.offset, piece.offset + piece.length, CHUNK):
+        n = min(CHUNK, piece.offset + piece.length - offset)
+        with source.memoryview(offset, n) as src, target.memoryview(offset, n) as dst:
+            dst[:] = src
+
+
+def _sums(slot: Slot, offset: int, length: int) -> tuple[int, int]:
+    """crc32 and Adler-32 of ``slot[offset:offset + length]``, in one pass."""
+    crc, adler = 0, 1
+    for at in range(offset, offset + length, CHUNK):
+        with slot.memoryview(at, min(CHUNK, offset + length - at)) as view:
+            crc = zlib.crc32(view, crc)
+            adler = zlib.adler32(view, adler)
+    return crc, adler
+
+
+def _header_of(path: str) -> SlotHeader | None:
+    try:
+        slot = Slot.attach(path)
+    except (SharedMemoryError, OSError):
+        return None
+    if slot is None:
+        return None
+    try:
+        return slot.read_header()
+    except CorruptCheckpointError:
+        return None
+    finally:
+        slot.close()
+
+
+# --- crc32 of a concatenation (zlib's crc32_combine, which Python's zlib does not offer) ----
+
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the crc32 polynomial (bit-reflected)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+@functools.lru_cache(maxsize=1024)
+def _x8nmodp(n: int) -> int:
+    """x^(8n) modulo the polynomial: shifts a crc past n zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32 of A + B from crc32(A), crc32(B) and len(B)."""
+    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
