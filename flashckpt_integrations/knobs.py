@@ -36,6 +36,9 @@ system); a replica that needs more is skipped and reported."""
 REPLICA_REUSE = "FLASHCKPT_REPLICA_REUSE"
 """``0``: a saver takes every peer's replica whole, never copying identical data-parallel bytes
 from its own ranks' snapshots (see ``core/replica_reuse.py``; default on)."""
+REPLICA_DUTY = "FLASHCKPT_REPLICA_DUTY"
+"""The share of the time a saver's copies to one peer may take, in (0, 1] (default 0.1): after a
+copy of ``d`` seconds the next waits ``d * (1 / duty - 1)``; 1 copies back to back."""
 NODE_CHECK_PLUGINS = "FLASHCKPT_NODE_CHECK_PLUGINS"
 """Comma-separated modules the node check imports before it picks a check (they call
 ``register_node_check``; the last registered available check wins). Tests use it to make a rank slow."""

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from .. import knobs
 from ..errors import CorruptCheckpointError
 from . import peers, replica_reuse
 from .peers import Channel, PeerAuthError, PeerRecord
@@ -469,16 +470,35 @@ def survey(storage: Storage, job: str, secret: bytes, node_rank: int = -1) -> li
         return list(pool.map(ask, [records[k] for k in sorted(records)]))
 
 
+def copy_duty() -> float:
+    """The share of the time a saver's copies to one peer may take (``$FLASHCKPT_REPLICA_DUTY``,
+    default 0.1; 1 copies back to back)."""
+    value = knobs.get(knobs.REPLICA_DUTY, "0.1")
+    try:
+        duty = float(value)
+    except ValueError:
+        duty = -1.0
+    if not 0 < duty <= 1:
+        logger.error("%s=%r must be a number in (0, 1]; using 0.1", knobs.REPLICA_DUTY, value)
+        return 0.1
+    return duty
+
+
 class _Sender:
     """Streams the newest sealed snapshot of each rank to one peer node, on its own thread.
 
     Only the newest snapshot per rank waits: a newer one replaces one not yet sent. A failed copy
     (peer unreachable, refused, gone mid-copy) is retried with backoff, with the newest snapshot.
+    Copies take at most ``duty`` of the time (:func:`copy_duty`): after one that took ``d`` seconds
+    the next starts ``d * (1 / duty - 1)`` later, so that snapshots taken every step cost training
+    a bounded share of the host, at the price of a replica that lags the newest snapshot.
     """
 
     def __init__(self, owner: Replication, node: int) -> None:
         self.owner = owner
         self.node = node
+        self._duty = copy_duty()
+        self._next_at = 0.0
         self._pending: dict[int, dict[str, Any]] = {}
         self._cond = threading.Condition()
         self._stopped = False
@@ -507,7 +527,7 @@ class _Sender:
     def _next(self) -> dict[str, Any] | None:
         with self._cond:
             while not self._stopped:
-                wait = self._retry_at - time.monotonic()
+                wait = max(self._retry_at, self._next_at) - time.monotonic()
                 if self._pending and wait <= 0:
                     return self._pending.pop(next(iter(self._pending)))
                 self._cond.wait(wait if self._pending else None)
@@ -517,7 +537,9 @@ class _Sender:
         backoff = 0.5
         while (note := self._next()) is not None:
             try:
+                started = time.monotonic()
                 self._push(note)
+                self._next_at = time.monotonic() + (time.monotonic() - started) * (1 / self._duty - 1)
                 backoff = 0.5
             except Exception as exc:  # unreachable, refused, gone mid-copy: retried, newest first
                 self._drop_channel()
