@@ -130,13 +130,16 @@ class LoadPath:
         memory = self._memory_snapshots()
         committed = self.committed_steps()
         self._replicas.prepare_load()
-        views = collectives.all_gather_object([sorted(memory), committed[-1] if committed else None],
-                                              self.world_size, self.process_group)
-        in_every_rank = set.intersection(*(set(v[0]) for v in views)) if views else set()
+        views, in_every_rank = self._agree(memory, committed[-1] if committed else None)
         before = set(in_every_rank)
         _, in_every_rank = self._replicas.resolve(memory, views, in_every_rank, views[0][1], step)
         fetched = in_every_rank - before
         return max(fetched) if fetched else None
+
+    def _agree(self, memory: Mapping[int, Any], newest_commit: int | None) -> tuple[list[Any], set[int]]:
+        """Every rank's memory steps and newest commit (collective), and the steps every rank holds."""
+        views = collectives.all_gather_object([sorted(memory), newest_commit], self.world_size, self.process_group)
+        return views, set.intersection(*(set(v[0]) for v in views)) if views else set()
 
     def load(
         self,
@@ -161,9 +164,7 @@ class LoadPath:
         committed = sorted(records)
         if prefer_memory:
             self._replicas.prepare_load()
-        views = collectives.all_gather_object([sorted(memory), committed[-1] if committed else None],
-                                              self.world_size, self.process_group)
-        in_every_rank = set.intersection(*(set(v[0]) for v in views)) if views else set()
+        views, in_every_rank = self._agree(memory, committed[-1] if committed else None)
         newest_commit = views[0][1]
         if prefer_memory:  # a rank whose node lost its memory may fetch the step from a peer's replica
             memory, in_every_rank = self._replicas.resolve(memory, views, in_every_rank, newest_commit, step)

@@ -26,7 +26,6 @@ Call order, for one ``push`` (:mod:`.replication`; sender S, receiver R):
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import json
 import os
@@ -39,10 +38,10 @@ from .. import knobs
 from .._utils.faults import fault_point
 from ..errors import CorruptCheckpointError, SharedMemoryError
 from .protocol import SLOTS_FILE
-from .replica_slots import same_snapshot
+from .replica_slots import chunks, same_snapshot
 from .shm_buffer import Slot, SlotHeader, SlotState
+from .torchzip import crc32_combine
 
-CHUNK = 4 << 20
 MIN_PIECE = 4 << 10
 """Regions smaller than this travel with the bytes around them (not worth a comparison)."""
 
@@ -105,8 +104,7 @@ def send_pieces(sock: Any, slot: Slot, parts: list[Piece], reused: set[int]) -> 
     for index, piece in enumerate(parts):
         if index in reused:
             continue
-        for offset in range(piece.offset, piece.offset + piece.length, CHUNK):
-            n = min(CHUNK, piece.offset + piece.length - offset)
+        for offset, n in chunks(piece.offset, piece.offset + piece.length):
             with slot.memoryview(offset, n) as view:
                 sock.sendall(view)
         sent += piece.length
@@ -116,20 +114,27 @@ def send_pieces(sock: Any, slot: Slot, parts: list[Piece], reused: set[int]) -> 
 # --- the receiver --------------------------------------------------------------------------
 
 
-def local_candidates(run_dir: str, step: int) -> list[str]:
-    """The slot files of this node's ranks that hold a complete snapshot of ``step``."""
+def local_snapshots(run_dir: str) -> list[tuple[int, str, SlotHeader]]:
+    """``(rank, slot file, header)`` of every complete snapshot in this node's ranks' own slots
+    (from their records in the saver's run directory)."""
     found = []
     for record in sorted(glob.glob(os.path.join(run_dir, SLOTS_FILE.format(rank="*")))):
         try:
             with open(record) as f:
-                paths = json.load(f).get("slots", [])
-        except (OSError, ValueError):
+                data = json.load(f)
+            rank, paths = int(data["rank"]), data.get("slots", [])
+        except (OSError, ValueError, KeyError, TypeError):
             continue
         for path in paths:
             header = _header_of(path)
-            if header is not None and header.state is SlotState.COMPLETE and header.step == step:
-                found.append(path)
+            if header is not None and header.state is SlotState.COMPLETE:
+                found.append((rank, path, header))
     return found
+
+
+def local_candidates(run_dir: str, step: int) -> list[str]:
+    """The slot files of this node's ranks that hold a complete snapshot of ``step``."""
+    return [path for _, path, header in local_snapshots(run_dir) if header.step == step]
 
 
 def recv_pieces(recv_into: Callable[[memoryview], None], slot: Slot, parts: list[Piece], reused: set[int]) -> int:
@@ -138,8 +143,7 @@ def recv_pieces(recv_into: Callable[[memoryview], None], slot: Slot, parts: list
     for index, piece in enumerate(parts):
         if index in reused:
             continue
-        for offset in range(piece.offset, piece.offset + piece.length, CHUNK):
-            n = min(CHUNK, piece.offset + piece.length - offset)
+        for offset, n in chunks(piece.offset, piece.offset + piece.length):
             with slot.memoryview(offset, n) as view:
                 recv_into(view)
         if not received:
@@ -202,8 +206,7 @@ class LocalCrcs:
 
 
 def _copy(source: Slot, target: Slot, piece: Piece) -> None:
-    for offset in range(piece.offset, piece.offset + piece.length, CHUNK):
-        n = min(CHUNK, piece.offset + piece.length - offset)
+    for offset, n in chunks(piece.offset, piece.offset + piece.length):
         with source.memoryview(offset, n) as src, target.memoryview(offset, n) as dst:
             dst[:] = src
 
@@ -211,8 +214,8 @@ def _copy(source: Slot, target: Slot, piece: Piece) -> None:
 def _sums(slot: Slot, offset: int, length: int) -> tuple[int, int]:
     """crc32 and Adler-32 of ``slot[offset:offset + length]``, in one pass."""
     crc, adler = 0, 1
-    for at in range(offset, offset + length, CHUNK):
-        with slot.memoryview(at, min(CHUNK, offset + length - at)) as view:
+    for at, n in chunks(offset, offset + length):
+        with slot.memoryview(at, n) as view:
             crc = zlib.crc32(view, crc)
             adler = zlib.adler32(view, adler)
     return crc, adler
@@ -231,48 +234,3 @@ def _header_of(path: str) -> SlotHeader | None:
         return None
     finally:
         slot.close()
-
-
-# --- crc32 of a concatenation (zlib's crc32_combine, which Python's zlib does not offer) ----
-
-_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the crc32 polynomial (bit-reflected)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-@functools.lru_cache(maxsize=1024)
-def _x8nmodp(n: int) -> int:
-    """x^(8n) modulo the polynomial: shifts a crc past n zero bytes."""
-    p, k = 1 << 31, 3
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The crc32 of A + B from crc32(A), crc32(B) and len(B)."""
-    return _multmodp(_x8nmodp(len2), crc1) ^ crc2

@@ -31,7 +31,7 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -282,8 +282,8 @@ def verify(path: str) -> str | None:
             return f"{path} holds no complete replica"
         nbytes = head_of(header)["nbytes"]
         crc = 0
-        for offset in range(HEADER_SIZE, nbytes, CHUNK):
-            with slot.memoryview(offset, min(CHUNK, nbytes - offset)) as view:
+        for offset, n in chunks(HEADER_SIZE, nbytes):
+            with slot.memoryview(offset, n) as view:
                 crc = zlib.crc32(view, crc)
         if crc != record[1] or not same_snapshot(header, slot.read_header()):
             return f"{path}: the replica of step {header.step} is damaged (its checksum does not match)"
@@ -351,6 +351,12 @@ class _Checksum:
             self._pool.shutdown(wait=True)
 
 
+def chunks(start: int, end: int) -> Iterator[tuple[int, int]]:
+    """``(offset, length)`` of the ``CHUNK``-sized pieces of ``[start, end)``, in order."""
+    for offset in range(start, end, CHUNK):
+        yield offset, min(CHUNK, end - offset)
+
+
 def send_range(sock: Any, slot: Slot, start: int, end: int) -> int:
     """Stream ``slot[start:end]`` to ``sock`` straight from the mapping; return its crc32.
 
@@ -360,8 +366,7 @@ def send_range(sock: Any, slot: Slot, start: int, end: int) -> int:
     """
     checksum = _Checksum(slot)
     try:
-        for offset in range(start, end, CHUNK):
-            n = min(CHUNK, end - offset)
+        for offset, n in chunks(start, end):
             checksum.add(offset, n)
             with slot.memoryview(offset, n) as view:
                 sock.sendall(view)
@@ -376,8 +381,7 @@ def recv_range(recv_into: Callable[[memoryview], None], slot: Slot, start: int, 
     without ``checksum``: a replica keeps its sender's, which every restore verifies)."""
     crc = _Checksum(slot) if checksum else None
     try:
-        for offset in range(start, end, CHUNK):
-            n = min(CHUNK, end - offset)
+        for offset, n in chunks(start, end):
             with slot.memoryview(offset, n) as view:
                 recv_into(view)
             if crc is not None:

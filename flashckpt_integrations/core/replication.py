@@ -29,7 +29,6 @@ read before and after the bytes, and a copy whose source changed meanwhile is di
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import os
@@ -45,7 +44,6 @@ from .. import knobs
 from ..errors import CorruptCheckpointError
 from . import peers, replica_reuse
 from .peers import Channel, PeerAuthError, PeerRecord
-from .protocol import SLOTS_FILE
 from .replica_slots import (
     ReplicaSkipped,
     ReplicaStore,
@@ -373,23 +371,8 @@ class Replication:
 
     def local_inventory(self) -> list[dict[str, Any]]:
         """The complete snapshots in this node's ranks' own slots (from their records in the run directory)."""
-        found = []
-        for record in glob.glob(os.path.join(self.run_dir, SLOTS_FILE.format(rank="*"))):
-            try:
-                with open(record) as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                continue
-            for path in data.get("slots", []):
-                with contextlib.suppress(Exception):
-                    slot = Slot.attach(path)
-                    if slot is None:
-                        continue
-                    with contextlib.closing(slot):
-                        header = slot.read_header()
-                        if header is not None and header.state is SlotState.COMPLETE:
-                            found.append({"rank": int(data["rank"]), "step": header.step, "seq": header.seq})
-        return found
+        return [{"rank": rank, "step": header.step, "seq": header.seq}
+                for rank, _, header in replica_reuse.local_snapshots(self.run_dir)]
 
     # --- status ----------------------------------------------------------------------------
 

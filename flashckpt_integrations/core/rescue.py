@@ -114,9 +114,7 @@ def job_slots(checkpoint_dir: str | os.PathLike, job_id: str | None = None,
     ``job_id`` is the job's id when it set one (``CheckpointerConfig.job_id`` or
     ``$FLASHCKPT_JOB_ID``); by default a job is named by its checkpoint directory.
     """
-    url = os.fspath(checkpoint_dir)
-    url = url if "://" in url else os.path.abspath(os.path.expanduser(url))
-    key = job_key(job_id_for(url, job_id))
+    key = _job_key(checkpoint_dir, job_id)
     shm_dir = shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm")
     found: dict[int, list[str]] = {}
     for path in sorted(glob.glob(os.path.join(shm_dir, f"flashckpt-{os.getuid()}-{key}-r*-*"))):
@@ -130,9 +128,14 @@ def job_replicas(checkpoint_dir: str | os.PathLike, job_id: str | None = None,
                  shm_dir: str | None = None) -> dict[int, list[str]]:
     """The replica slots this host holds for other nodes' ranks of the job, by rank (peer replicas:
     ``CheckpointerConfig.replicas``)."""
+    return replica_paths(shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm"), _job_key(checkpoint_dir, job_id))
+
+
+def _job_key(checkpoint_dir: str | os.PathLike, job_id: str | None) -> str:
+    """The key that names the job's slots: its id, else its checkpoint directory (as a Checkpointer has it)."""
     url = os.fspath(checkpoint_dir)
     url = url if "://" in url else os.path.abspath(os.path.expanduser(url))
-    return replica_paths(shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm"), job_key(job_id_for(url, job_id)))
+    return job_key(job_id_for(url, job_id))
 
 
 def run_dir_slots(run_dir: str) -> dict[int, list[str]]:

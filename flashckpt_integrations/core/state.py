@@ -29,7 +29,7 @@ import struct
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -206,9 +206,7 @@ class PickleCache:
             for key, storage in enumerate(walk.storages)
         ):
             return
-        cached = _CachedPickle.of(plan.blob, walk)
-        if cached is not None:
-            self._cached[path] = cached
+        self._cached[path] = _CachedPickle.of(plan.blob, walk)
 
 
 @dataclass
@@ -229,32 +227,45 @@ _INT_OPS = {"BININT1": (1, False), "BININT2": (2, False), "BININT": (4, True)}
 
 @dataclass
 class _CachedPickle:
+    """A file's previous pickle; where its ints and floats sit is found the first time it is reused
+    (a file whose structure changes at every save never pays for that scan)."""
+
     fingerprint: tuple[Any, ...]
     blob: bytes
-    floats: list[int]
+    walk: _Walk | None
+    """The values it was pickled from (no storages: nothing of the state is kept alive), until
+    they are located."""
+    floats: list[int] | None = None
     """Byte offsets of the object's floats (8 bytes, big-endian)."""
-    ints: list[tuple[int, int, bool]]
+    ints: list[tuple[int, int, bool]] | None = None
     """(offset, width, signed) of the object's ints (little-endian)."""
 
     @classmethod
-    def of(cls, blob: bytes, walk: _Walk) -> _CachedPickle | None:
-        """Find where each int and float of ``walk`` sits in ``blob``; None when they do not line up."""
+    def of(cls, blob: bytes, walk: _Walk) -> _CachedPickle:
+        return cls(walk.fingerprint, blob, replace(walk, storages=[]))
+
+    def _locate(self) -> bool:
+        """Find where each int and float sits in the blob, once; false when they do not line up."""
         import pickletools
 
+        walk, self.walk = self.walk, None
+        if walk is None:
+            return self.floats is not None
         floats: list[int] = []
         ints: list[tuple[int, int, bool]] = []
         stream = iter(walk.stream)
+        blob = self.blob
         try:
             for op, arg, pos in pickletools.genops(blob):
                 if op.name == "BINFLOAT":
                     if len(floats) >= len(walk.floats) or struct.pack(">d", arg) != struct.pack(
                             ">d", walk.floats[len(floats)]):
-                        return None
+                        return False
                     floats.append(pos + 1)
                 elif op.name in _INT_OPS or op.name == "LONG1" or op.name in ("INT", "LONG", "LONG4"):
                     own, value = next(stream)
                     if value != arg:
-                        return None
+                        return False
                     if own:
                         if op.name in _INT_OPS:
                             width, signed = _INT_OPS[op.name]
@@ -262,15 +273,19 @@ class _CachedPickle:
                         elif op.name == "LONG1":
                             ints.append((pos + 2, blob[pos + 1], True))
                         else:
-                            return None
+                            return False
         except (StopIteration, ValueError):
-            return None
+            return False
         if len(floats) != len(walk.floats) or next(stream, None) is not None:
-            return None
-        return cls(walk.fingerprint, blob, floats, ints)
+            return False
+        self.floats, self.ints = floats, ints
+        return True
 
     def patched(self, walk: _Walk) -> bytes | None:
-        """The cached pickle with ``walk``'s ints and floats; None when an int does not fit its slot."""
+        """The cached pickle with ``walk``'s ints and floats; None when they cannot be located or an
+        int does not fit its slot."""
+        if self.floats is None and not self._locate():
+            return None
         blob = bytearray(self.blob)
         for offset, value in zip(self.floats, walk.floats):
             struct.pack_into(">d", blob, offset, value)
