@@ -174,3 +174,13 @@ def storage_refused_after_start(url: str, **options: Any) -> LocalStorage:
     if os.path.exists(os.path.join(root, "DENY")):
         raise PermissionError(errno.EACCES, "the storage service refused the connection (injected)", url)
     return LocalStorage(root)
+
+
+def exit_without_teardown(code: int) -> None:
+    """End a worker script without interpreter teardown, where gloo threads still running can
+    abort it (SIGABRT) after a finished run: the process group destroyed, output flushed."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

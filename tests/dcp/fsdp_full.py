@@ -21,6 +21,7 @@ from fsdp_train import build_model, train_step  # noqa: E402
 
 from flashckpt_integrations import Checkpointer  # noqa: E402
 from flashckpt_integrations.adapters import fsdp as flash_fsdp  # noqa: E402
+from tests.helpers import exit_without_teardown  # noqa: E402
 
 
 def make(version: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -91,15 +92,6 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _exit(code: int) -> None:
-    """No interpreter teardown: gloo threads still running can abort it (SIGABRT) after a finished run."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     main()
-    _exit(0)
+    exit_without_teardown(0)

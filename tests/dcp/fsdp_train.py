@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from flashckpt_integrations import Checkpointer
 from flashckpt_integrations.adapters import dcp as flash_dcp
+from tests.helpers import exit_without_teardown
 
 
 def build_model(width: int = 32, depth: int = 3) -> nn.Module:
@@ -132,15 +132,6 @@ def checks(ck: Checkpointer, rank: int) -> dict:
     return seen
 
 
-def _exit(code: int) -> None:
-    """No interpreter teardown: gloo threads still running can abort it (SIGABRT) after a finished run."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     main()
-    _exit(0)
+    exit_without_teardown(0)

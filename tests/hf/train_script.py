@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
+from tests.helpers import exit_without_teardown  # noqa: E402
 from tests.hf.common import make_trainer, parameters  # noqa: E402
 
 
@@ -70,15 +71,6 @@ def main() -> None:
     }), flush=True)
 
 
-def _exit(code: int) -> None:
-    """No interpreter teardown: gloo threads still running can abort it (SIGABRT) after a finished run."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     main()
-    _exit(0)
+    exit_without_teardown(0)

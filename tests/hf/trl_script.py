@@ -31,6 +31,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, s
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
+from tests.helpers import exit_without_teardown  # noqa: E402
 from tests.hf.common import parameters  # noqa: E402
 from tests.hf.extra_state import CountSteps  # noqa: E402
 from tests.hf.train_script import KillAfterSnapshot  # noqa: E402
@@ -129,15 +130,6 @@ def main() -> None:
                       "resumed_from": getattr(trainer, "flash_resumed_from", None)}), flush=True)
 
 
-def _exit(code: int) -> None:
-    """No interpreter teardown: gloo threads still running can abort it (SIGABRT) after a finished run."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     main()
-    _exit(0)
+    exit_without_teardown(0)

@@ -25,11 +25,19 @@ def _training_state(step: int, lr: float, model: torch.nn.Module, optimizer: tor
             "tags": ("run", None, True), "nested": collections.OrderedDict(a=[step, float(step)])}
 
 
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
-    model(torch.randn(2, 8)).sum().backward()
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad()
+def _training(steps: int):
+    """``(step, state)`` after each of ``steps`` AdamW steps with a decaying lr;
+    the state is built afresh each time, as a training script builds it for each save."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    for step in range(1, steps + 1):
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        yield step, _training_state(step, scheduler.get_last_lr()[0], model, optimizer)
 
 
 def _blob(files: dict, pickles: PickleCache | None = None) -> bytes:
@@ -38,14 +46,8 @@ def _blob(files: dict, pickles: PickleCache | None = None) -> bytes:
 
 
 def test_a_reused_pickle_is_the_fresh_pickle_of_this_save():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
     pickles = PickleCache()
-    for step in range(1, 6):
-        _train(model, optimizer, scheduler)
-        state = _training_state(step, scheduler.get_last_lr()[0], model, optimizer)  # fresh dicts every save
+    for _, state in _training(5):  # fresh dicts every save
         assert _blob({"x.pt": state}, pickles) == _blob({"x.pt": state})
     assert pickles.hits == 4
 
@@ -78,14 +80,8 @@ def test_what_the_previous_pickle_cannot_take_is_pickled_anew():
 
 
 def test_reused_pickles_restore_from_memory_and_load_with_stock_torch(make_checkpointer, tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
     ck = make_checkpointer()
-    for step in range(1, 5):
-        _train(model, optimizer, scheduler)
-        state = _training_state(step, scheduler.get_last_lr()[0], model, optimizer)
+    for step, state in _training(4):
         result = ck.save(step, state, persist=step == 4)
         assert result.ok, result.reason
         assert_same(ck.load(step).state, state)
@@ -108,5 +104,5 @@ def test_reused_pickles_restore_from_memory_and_load_with_stock_torch(make_check
 
     got = json.loads(out.stdout)
     assert got == {"step": 1004, "lr": state["lr"], "neg": -4, "big": 2**40 + 4,
-                   "group_lr": optimizer.param_groups[0]["lr"], "nested": [4, 4.0], "shared": True,
-                   "w": model[0].weight.flatten().tolist()}
+                   "group_lr": state["optimizer"]["param_groups"][0]["lr"], "nested": [4, 4.0], "shared": True,
+                   "w": state["model"]["0.weight"].flatten().tolist()}
