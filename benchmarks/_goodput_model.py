@@ -1,13 +1,21 @@
 """Analytic goodput of the benchmark's configurations at 1k-64k GPUs, calibrated by its measurements.
 
-First-order model (Young 1974, Daly 2006), failures a Poisson process of rate G * lambda:
+First-order model (Young 1974, Daly 2006), failures a Poisson process of rate G * lambda that
+strikes while the job trains:
 
-    goodput = (1 - delta / (tau + delta)) * max(0, 1 - F / M)
+    goodput = tau / (tau + delta) * max(0, M - W) / (M + D)
 
-- M = 1 / (G * lambda): the job's mean time between failures.
+- M = 1 / (G * lambda): the job's mean time between failures (of training time; a failure during a
+  restart only lengthens it, which the first order leaves out).
 - delta: time a checkpoint holds training; tau: compute time between checkpoints, at the Young/Daly
   optimum tau = sqrt(2 * delta * M) (never below one step).
-- F: time lost per failure = restart R0 + restore L + lost work W (redone compute).
+- D: downtime per failure = restart R0 + restore L (kill until training again).
+- W: work lost per failure, redone: half the interval between usable checkpoints, (tau + delta) / 2,
+  plus the time a checkpoint takes to become usable (a commit to storage) where that is what the
+  restart reads.
+
+`bench_goodput.py` feeds the same function with each run's measured failures, downtimes, step time
+and commit time, and the W above, and prints its prediction beside the measured goodput.
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ def calibrate(result: dict[str, Any] | None) -> dict[str, float]:
             "restart_s": statistics.median(restarts), "source": "the --json given"}
 
 
-def goodput(delta: float, tau: float, mtbf: float, lost_per_failure: float) -> float:
-    return (1 - delta / (tau + delta)) * max(0.0, 1 - lost_per_failure / mtbf)
+def goodput(mtbf: float, downtime: float, lost: float, slowdown: float) -> float:
+    """Useful share of the time: per failure, ``mtbf`` seconds of training at ``slowdown`` times the
+    speed without checkpoints, of which ``lost`` are redone, and ``downtime`` seconds without training."""
+    return slowdown * max(0.0, mtbf - lost) / (mtbf + downtime)
 
 
 def configurations(gpus: int, storage_gbps: float, cal: dict[str, float]) -> dict[str, float]:
@@ -55,14 +65,18 @@ def configurations(gpus: int, storage_gbps: float, cal: dict[str, float]) -> dic
     r0 = cal["restart_s"]
     out = {}
     tau = max(STEP_S, math.sqrt(2 * to_storage * mtbf))
-    out["torch.save"] = goodput(to_storage, tau, mtbf, r0 + to_storage + (tau + to_storage) / 2)
+    out["torch.save"] = goodput(mtbf, r0 + to_storage, (tau + to_storage) / 2, tau / (tau + to_storage))
     tau_m = max(STEP_S, math.sqrt(2 * mem * mtbf))
-    from_memory = r0 + mem + tau_m / 2
+    slowdown = tau_m / (tau_m + mem)
     # Every snapshot persisted when a write fits in tau_m; else back-to-back persists (newest commit 1.5 writes old).
-    from_storage = r0 + to_storage + (tau_m / 2 + to_storage if to_storage <= tau_m else 1.5 * to_storage)
-    out["flashckpt"] = goodput(mem, tau_m, mtbf, (1 - NODE_LOSS) * from_memory + NODE_LOSS * from_storage)
-    from_peer = r0 + peer + tau_m / 2 + peer  # the replica lags one copy behind
-    out["flashckpt+replicas"] = goodput(mem, tau_m, mtbf, (1 - NODE_LOSS) * from_memory + NODE_LOSS * from_peer)
+    behind = (tau_m + mem) / 2 + to_storage if to_storage <= tau_m else 1.5 * to_storage
+    downtime = (1 - NODE_LOSS) * (r0 + mem) + NODE_LOSS * (r0 + to_storage)
+    lost = (1 - NODE_LOSS) * (tau_m + mem) / 2 + NODE_LOSS * behind
+    out["flashckpt"] = goodput(mtbf, downtime, lost, slowdown)
+    # replicas=1: a node loss restores from the peer's memory, the replica one copy behind
+    downtime = (1 - NODE_LOSS) * (r0 + mem) + NODE_LOSS * (r0 + peer)
+    lost = (1 - NODE_LOSS) * (tau_m + mem) / 2 + NODE_LOSS * ((tau_m + mem) / 2 + peer)
+    out["flashckpt+replicas"] = goodput(mtbf, downtime, lost, slowdown)
     out["mtbf_s"], out["storage_s"] = mtbf, to_storage
     return out
 

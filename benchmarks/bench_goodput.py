@@ -133,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
             ck.prepare(state)  # sizes the slots off the clock of every later save
         stall = None
         persist = step % args.every == 0
-        if ck is not None and step % args.snapshot_every == 0 or persist and args.mode == "torch.save":
+        if persist or ck is not None and step % args.snapshot_every == 0:
             t0 = time.perf_counter()
             if ck is not None:
                 result = ck.save(step, state, persist=persist)
@@ -164,8 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--node-loss", type=float, default=0.25, help="share of failures that lose the node")
     p.add_argument("--seed", type=int, default=17)
-    p.add_argument("--hidden", type=int, default=512, help="MLP width (512: 0.67M parameters)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096, help="MLP width (4096: 20M parameters, 229 MiB of state)")
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="--budget-s 30 --mtbf 10 20 40 --repeats 1")
     p.add_argument("--json", default=None, help="write every run and the summary here")
     p.add_argument("--plot", default=os.path.join(REPO, "benchmarks", "goodput.png"))
@@ -178,8 +178,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--every", type=int, default=1 << 40, help=argparse.SUPPRESS)
-    p.add_argument("--snapshot-every", type=int, default=1, help="flashckpt: a memory snapshot every k steps")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="flashckpt: a memory snapshot every k steps (default: its Young/Daly optimum, at most 3)")
+    p.add_argument("--persist-every", type=int, default=0,
+                   help="flashckpt: persist every N steps (default: its Young/Daly optimum for node losses)")
     p.add_argument("--until", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    p.add_argument("--probe-persist", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.budget_s, args.mtbf, args.repeats = 30.0, [10.0, 20.0, 40.0], 1
@@ -189,33 +193,122 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _state_and_save_cost(args: argparse.Namespace, where: str) -> tuple[int, float]:
     """Bytes of the training state and the median time of torch.save + fsync of it (rank 0's save)."""
     import torch
-    from torch import nn
 
     torch.set_num_threads(1)
+    state = _probe_state(args)
+    path, times = os.path.join(where, "probe.pt"), []
+    for _ in range(7):  # as the worker saves: a new file each time, fsynced, renamed over the last
+        t0 = time.perf_counter()
+        with open(path + ".tmp", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        times.append(time.perf_counter() - t0)
+    os.unlink(path)
+    size = sum(t.numel() * t.element_size() for t in state["model"].values()) * 3  # params + Adam's two moments
+    return size, statistics.median(times[2:])
+
+
+def _probe_state(args: argparse.Namespace) -> dict[str, Any]:
+    """The training state of the job's model (one rank's), after one optimizer step."""
+    import torch
+    from torch import nn
+
     model = nn.Sequential(nn.Linear(784, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, 10))
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 784)).sum().backward()
     opt.step()
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
-    path, times = os.path.join(where, "probe.pt"), []
-    for _ in range(7):
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+
+
+def _persist_cost_probe(args: argparse.Namespace) -> None:
+    """(Its own process, ``--probe-persist DIR``.) The saver's CPU seconds per persist of the state and
+    the time from a persisting save to its commit, printed as JSON."""
+    import torch
+
+    from flashckpt_integrations import Checkpointer
+
+    torch.set_num_threads(1)
+    state = _probe_state(args)
+    ck = Checkpointer(os.path.join(args.probe_persist, "ckpt"))
+    ck.prepare(state)
+    stalls = []
+    for step in range(-5, 0):
         t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        times.append(time.perf_counter() - t0)
-    os.unlink(path)
-    size = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # params + Adam's two moments
-    return size, statistics.median(times[2:])
+        ck.save(step, state, persist=False)
+        stalls.append(time.perf_counter() - t0)
+    cpu, commit = [], []
+    for step in range(1, 6):
+        before, t0 = _savers_cpu(args.probe_persist), time.perf_counter()
+        if not ck.save(step, state, persist=True).wait(120).committed:
+            raise RuntimeError(f"the probe's persist of step {step} did not commit")
+        commit.append(time.perf_counter() - t0)
+        cpu.append(_savers_cpu(args.probe_persist) - before)
+    ck.close()
+    print(json.dumps({"saver_cpu_s": statistics.median(cpu[1:]), "commit_s": statistics.median(commit[1:]),
+                      "stall_s": statistics.median(stalls[1:])}))
+
+
+def _savers_cpu(run_root: str) -> float:
+    """CPU seconds (user + system) used so far by the savers whose run directory is under ``run_root``."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"core.saver" not in f.read():
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"FLASHCKPT_RUN_DIR={run_root}".encode() not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+    return total
+
+
+def _persist_cost(args: argparse.Namespace) -> dict[str, float]:
+    where = tempfile.mkdtemp(prefix="gp-probe-")
+    shm = tempfile.mkdtemp(prefix="gp-probe-", dir="/dev/shm")
+    os.makedirs(os.path.join(where, "run"), mode=0o700)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": shm,
+           "FLASHCKPT_RUN_DIR": os.path.join(where, "run")}
+    try:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe-persist", where,
+                              "--hidden", str(args.hidden)], env=env, capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(f"the persist probe failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _drop_page_cache(root: str) -> None:
+    for parent, _, names in os.walk(root):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 class Run:
     """One launch of the job for ``budget`` seconds, with failures injected; its records parsed."""
 
-    def __init__(self, args: argparse.Namespace, config: str, mtbf: float | None, every: int, seed: int) -> None:
+    def __init__(self, args: argparse.Namespace, config: str, mtbf: float | None, every: int, seed: int,
+                 snapshot_every: int = 1) -> None:
         self.args, self.config, self.mtbf, self.every = args, config, mtbf, every
+        self.snapshot_every = snapshot_every
         self.rng = random.Random(seed)
         self.dir = tempfile.mkdtemp(prefix="gp-")  # short: a saver's socket path must fit in 108 bytes
         self.shm = tempfile.mkdtemp(prefix="gp-", dir="/dev/shm")
@@ -228,6 +321,7 @@ class Run:
         self.failures: list[dict] = []
         self._offsets = [0] * WORLD
         self.first_step: float | None = None
+        self.commits: dict[int, float] = {}  # flashckpt: step -> when the driver saw it committed
 
     def command(self) -> list[str]:
         opts = ["--standalone", f"--nproc-per-node={WORLD}", "--max-restarts=100000", "--monitor-interval=0.1"]
@@ -238,7 +332,7 @@ class Run:
         return [*launcher, *opts, os.path.abspath(__file__), "--worker", "--mode", self.config, "--ckpt", self.ckpt,
                 "--rec", self.rec, "--every", str(self.every), "--hidden", str(self.args.hidden),
                 "--batch-size", str(self.args.batch_size), "--seed", str(self.args.seed),
-                "--snapshot-every", str(self.args.snapshot_every), "--until", str(self.t0 + self.args.budget_s + 120)]
+                "--snapshot-every", str(self.snapshot_every), "--until", str(self.t0 + self.args.budget_s + 120)]
 
     def _poll(self) -> None:
         for rank in range(WORLD):
@@ -273,7 +367,15 @@ class Run:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return f"FLASHCKPT_RUN_DIR={self.dir}/run".encode() in f.read()
 
-    def _inject(self) -> None:
+    def _poll_commit(self) -> None:
+        try:
+            with open(os.path.join(self.ckpt, "latest")) as f:
+                step = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return
+        self.commits.setdefault(step, time.time())
+
+    def _inject(self, clock_start: float) -> None:
         rank, node = self.rng.randrange(WORLD), self.rng.random() < self.args.node_loss
         with_pid = self.starts[rank][-1]["pid"]
         t = time.time()
@@ -286,7 +388,8 @@ class Run:
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
                     os.unlink(entry.path)
-        self.failures.append({"t": t, "rank": rank, "node": node, "starts": len(self.starts[0])})
+            _drop_page_cache(self.ckpt)  # a replacement node reads storage cold
+        self.failures.append({"t": t, "rank": rank, "node": node, "starts": len(self.starts[0]), "clock": clock_start})
 
     def execute(self) -> Run:
         env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": self.shm,
@@ -300,6 +403,8 @@ class Run:
             while time.time() < deadline and proc.poll() is None:
                 time.sleep(0.02)
                 self._poll()
+                if self.config == "flashckpt":
+                    self._poll_commit()
                 if self.steps and self.first_step is None:
                     self.first_step = self.steps[0]["t"]  # the budget runs from here: the first start is alike
                     deadline = self.first_step + self.args.budget_s
@@ -313,10 +418,10 @@ class Run:
                 since = self.failures[-1]["t"] - 0.05 if self.failures else 0.0
                 ready = len(latest) == WORLD and min(latest) > since and self.steps[-1]["t"] > max(latest)
                 if next_failure is None and ready:
-                    first = next(s["t"] for s in self.steps if s["t"] > max(latest))
-                    next_failure = first + self.rng.expovariate(1.0 / self.mtbf)
+                    clock_start = next(s["t"] for s in self.steps if s["t"] > max(latest))
+                    next_failure = clock_start + self.rng.expovariate(1.0 / self.mtbf)
                 if next_failure is not None and time.time() >= next_failure:
-                    self._inject()
+                    self._inject(clock_start)
                     next_failure = None
         finally:
             with_rc = proc.poll()
@@ -343,7 +448,43 @@ class Run:
             shutil.rmtree(self.shm, ignore_errors=True)
         return self
 
-    def summary(self, reference: dict[int, int]) -> dict[str, Any]:
+    def _model(self, deadline: float, events: list[dict], step_s: float | None, commit_s: float,
+               ceiling_steps: int | None) -> dict[str, Any]:
+        """The model of ``_goodput_model.goodput`` fed with this run's own measurements.
+
+        Measured: the failures, each one's downtime (kill until training again: kill to the end of
+        the first step after it, less one step), the mean step time (saves and the saver's background
+        work included) and, for flashckpt, the time from a persisting save to its commit. Modelled:
+        the work each failure loses, half the interval between usable checkpoints in time (the
+        snapshot interval; the persist interval plus the commit time after a node loss; the save
+        interval for torch.save), as the projection at scale models it.
+        """
+        if not ceiling_steps or not step_s:
+            return {}
+        from _goodput_model import goodput
+
+        by_kill = {e["kill"]: e for e in events}
+        downtime, lost = 0.0, 0.0
+        for f in self.failures:
+            e = by_kill.get(f["t"])
+            downtime += e["restart_s"] - step_s if e else max(0.0, deadline - f["t"])
+            if self.config == "torch.save":
+                window = self.every * step_s
+            elif f["node"]:
+                window = self.every * step_s + 2 * commit_s
+            else:
+                window = self.snapshot_every * step_s
+            lost += window / 2
+        n = len(self.failures)
+        training = self.args.budget_s - downtime
+        if n == 0:
+            predicted = 1 + training / step_s
+        else:  # per failure: training / n seconds of training, downtime / n of downtime, lost / n redone
+            share = goodput(training / n, downtime / n, lost / n, 1.0)
+            predicted = 1 + share * self.args.budget_s / step_s
+        return {"model_goodput": predicted / ceiling_steps, "modelled_lost_s": lost / n if n else 0.0}
+
+    def summary(self, reference: dict[int, int], ceiling_steps: int | None = None) -> dict[str, Any]:
         deadline = self.first_step + self.args.budget_s
         useful = max((s["s"] for s in self.steps if s["t"] <= deadline), default=0)
         checked = [s for s in self.steps if s["s"] in reference]
@@ -359,17 +500,24 @@ class Run:
             first = after[0]
             last = max((s["s"] for s in self.steps if s["t"] < relaunched), default=0)
             events.append({
-                "node": f["node"], "lost_steps": last - r0["resumed"], "source": r0["source"],
+                "kill": f["t"], "node": f["node"], "lost_steps": last - r0["resumed"], "source": r0["source"],
                 "restart_s": first["t"] - f["t"], "proc_to_first_step_s": first["t"] - relaunched,
                 "launcher_s": relaunched - f["t"], "imports_s": r0["imports"] - r0["proc"],
                 "process_group_s": r0["pg"] - r0["imports"], "model_s": r0["model"] - r0["pg"],
                 "checkpointer_s": r0["ck"] - r0["model"],
                 "load_s": r0["load"] - r0["ck"], "first_step_s": first["t"] - r0["load"]})
         stalls = [s["k"] for s in self.steps if "k" in s]
-        times = [b["t"] - a["t"] for a, b in zip(self.steps, self.steps[1:]) if b["s"] == a["s"] + 1]
-        plain = [b["t"] - a["t"] for a, b in zip(self.steps, self.steps[1:]) if b["s"] == a["s"] + 1 and "k" not in b]
+        kills = [f["t"] for f in self.failures]
+        within = [(a, b) for a, b in zip(self.steps, self.steps[1:])
+                  if b["s"] == a["s"] + 1 and not any(a["t"] < k < b["t"] for k in kills)]  # one attempt
+        times = [b["t"] - a["t"] for a, b in within]
+        plain = [b["t"] - a["t"] for a, b in within if "k" not in b]
         clean = statistics.median(plain) if plain else (statistics.median(times) - statistics.median(stalls)
                                                          if times and stalls else None)
+        saved_at = {s["s"]: s["t"] for s in self.steps if s.get("p")}
+        commit_s = [t - saved_at[step] for step, t in self.commits.items() if step in saved_at and t > saved_at[step]]
+        model = self._model(deadline, events, statistics.fmean(times) if times else None,
+                            statistics.median(commit_s) if commit_s else 0.0, ceiling_steps)
         return {"config": self.config, "mtbf": self.mtbf, "every": self.every, "useful_steps": useful,
                 "own_goodput": useful * clean / self.args.budget_s if clean else None,
                 "failures": len(self.failures), "node_losses": sum(f["node"] for f in self.failures),
@@ -377,14 +525,44 @@ class Run:
                 "stall_s": statistics.median(stalls) if stalls else None,
                 "persist_stall_s": statistics.median([s["k"] for s in self.steps if s.get("p")] or [0.0]) or None,
                 "step_s": statistics.median(times) if times else None,
+                "mean_step_s": statistics.fmean(times) if times else None,
+                "commit_s": statistics.median(commit_s) if commit_s else None, **model,
                 "checked_steps": len(checked), "mismatches": sum(reference[s["s"]] != s["c"] for s in checked)}
+
+
+def persist_interval(args: argparse.Namespace, config: str, cost: float, mtbf: float, step_s: float) -> int:
+    """Steps between saves to storage, each configuration at its Young/Daly optimum sqrt(2 C M).
+
+    torch.save: C the measured save (it blocks the job), M the MTBF. flashckpt: C what a persist
+    takes from training, the savers' CPU time per persist spread over the host's cores (every core
+    trains here), and M the MTBF of node losses only (MTBF / node-loss share): a process failure
+    resumes from memory. ``--persist-every`` overrides the flashckpt one.
+    """
+    if config == "flashckpt" and args.persist_every:
+        return args.persist_every
+    if config == "flashckpt":
+        mtbf = mtbf / args.node_loss if args.node_loss > 0 else 100 * mtbf
+    return max(1, round(math.sqrt(2 * cost * mtbf) / step_s))
+
+
+def snapshot_interval(args: argparse.Namespace, stall: float, mtbf: float, step_s: float) -> int:
+    """flashckpt's steps between memory snapshots: the Young/Daly optimum for the measured stall of a
+    snapshot, at most 3, so that a process failure redoes at most one step on average."""
+    if args.snapshot_every:
+        return args.snapshot_every
+    return min(3, max(1, round(math.sqrt(2 * stall * mtbf) / step_s)))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     base = tempfile.mkdtemp(prefix="gp-probe-")
     state_bytes, save_cost = _state_and_save_cost(args, base)
     shutil.rmtree(base, ignore_errors=True)
-    print(f"state {state_bytes / 2**20:.1f} MiB per rank; torch.save+fsync C = {save_cost * 1e3:.1f} ms", flush=True)
+    probe = _persist_cost(args)
+    persist_cost = probe["saver_cpu_s"] * WORLD / (os.cpu_count() or 1)
+    print(f"state {state_bytes / 2**20:.1f} MiB per rank; torch.save+fsync C = {save_cost * 1e3:.1f} ms; "
+          f"flashckpt persist: saver CPU {probe['saver_cpu_s'] * 1e3:.0f} ms per rank (C = {persist_cost * 1e3:.0f} ms "
+          f"on {os.cpu_count()} cores), committed {probe['commit_s'] * 1e3:.0f} ms after the call; memory snapshot "
+          f"{probe['stall_s'] * 1e3:.0f} ms", flush=True)
     runs: list[dict[str, Any]] = []
     started = time.monotonic()
     for rep in range(args.repeats):
@@ -396,17 +574,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{time.monotonic() - started:5.0f}s] repeat {rep} ceiling: {summary['useful_steps']} steps, "
               f"{step_s * 1e3:.1f} ms/step", flush=True)
         for mtbf in args.mtbf:
-            every = max(1, round(math.sqrt(2 * save_cost * mtbf) / step_s))
             for config in CONFIGS[1:]:
+                cost = persist_cost if config == "flashckpt" else save_cost
+                every = persist_interval(args, config, cost, mtbf, step_s)
+                k = snapshot_interval(args, probe["stall_s"], mtbf, step_s)
                 seed = args.seed * 7919 + rep * 104_729 + int(mtbf * 1000)
-                s = Run(args, config, mtbf, every, seed).execute().summary(reference)
+                s = Run(args, config, mtbf, every, seed, k).execute().summary(reference, summary["useful_steps"])
+                s["snapshot_every"] = k if config == "flashckpt" else None
                 s.update(repeat=rep, ceiling_steps=summary["useful_steps"],
                          goodput=s["useful_steps"] / summary["useful_steps"])
                 runs.append(s)
-                print(f"[{time.monotonic() - started:5.0f}s] repeat {rep} {config:10s} MTBF {mtbf:4.0f}s N={every}: "
-                      f"goodput {s['goodput']:.3f}, {s['failures']} failures, {s['mismatches']} CRC mismatches "
-                      f"in {s['checked_steps']} steps", flush=True)
-    return {"state_bytes": state_bytes, "torch_save_s": save_cost, "budget_s": args.budget_s,
+                interval = f"k={k} N={every}" if config == "flashckpt" else f"N={every}"
+                print(f"[{time.monotonic() - started:5.0f}s] repeat {rep} {config:10s} MTBF {mtbf:4.0f}s {interval}: "
+                      f"goodput {s['goodput']:.3f} (model {s.get('model_goodput', float('nan')):.3f}), "
+                      f"{s['failures']} failures, {s['mismatches']} CRC mismatches in {s['checked_steps']} steps",
+                      flush=True)
+    return {"state_bytes": state_bytes, "torch_save_s": save_cost, "persist_probe": probe,
+            "persist_cost_s": persist_cost, "budget_s": args.budget_s,
             "node_loss": args.node_loss, "runs": runs, "seconds": time.monotonic() - started}
 
 
@@ -415,16 +599,25 @@ def _med(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
     return fmt.format(statistics.median(values) * scale) if values else "-"
 
 
+def interval_text(run: dict[str, Any]) -> str:
+    k = run.get("snapshot_every")
+    return f"{run['every']}" if k is None else f"{k} / {run['every']}"
+
+
+def _mean(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.2f}" if values else "-"
+
+
 def report(result: dict[str, Any]) -> str:
     runs = result["runs"]
-    lines = ["| config | MTBF s | N | goodput (mean ± sd) | own-rate goodput | failures | useful steps | "
-             "lost steps/failure | restart s (kill→step) | proc start→step s | stall/ckpt ms | persist stall ms | "
-             "CRC check |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| config | MTBF s | k / N | goodput (mean ± sd) | model | own-rate goodput | failures | useful steps | "
+             "lost steps/failure: process, node (mean) | restart s (kill→step) | proc start→step s | "
+             "stall/ckpt ms | persist stall ms | commit s | CRC check |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     ceil = [r for r in runs if r["config"] == "none"]
     own = _med([r['own_goodput'] for r in ceil], fmt='{:.3f}')
     useful = _med([r['useful_steps'] for r in ceil], fmt='{:.0f}')
-    lines.append(f"| none (ceiling) | - | - | 1.000 | {own} | 0 | {useful} | - | - | - | - | - | reference |")
+    lines.append(f"| none (ceiling) | - | - | 1.000 | - | {own} | 0 | {useful} | - | - | - | - | - | - | reference |")
     parts = ("launcher_s", "imports_s", "process_group_s", "model_s", "checkpointer_s", "load_s", "first_step_s")
     breakdown = []
     for config in CONFIGS[1:]:
@@ -435,15 +628,19 @@ def report(result: dict[str, Any]) -> str:
             sd = statistics.stdev(g) if len(g) > 1 else 0.0
             check = "OK" if all(r["mismatches"] == 0 for r in rs) else "MISMATCH"
             check += f" ({sum(r['checked_steps'] for r in rs)} steps)"
+            model = [r["model_goodput"] for r in rs if r.get("model_goodput") is not None]
+            lost = [_mean([e["lost_steps"] for e in ev if e["node"] == node]) for node in (False, True)]
             lines.append(
-                f"| {config} | {mtbf:.0f} | {rs[0]['every']} | {statistics.fmean(g):.3f} ± {sd:.3f} | "
+                f"| {config} | {mtbf:.0f} | {interval_text(rs[0])} | {statistics.fmean(g):.3f} ± {sd:.3f} | "
+                f"{statistics.fmean(model) if model else float('nan'):.3f} | "
                 f"{_med([r['own_goodput'] for r in rs], fmt='{:.3f}')} | "
                 f"{sum(r['failures'] for r in rs)} ({sum(r['node_losses'] for r in rs)} node, "
                 f"{sum(r['unfinished_restarts'] for r in rs)} cut by the budget) | "
                 f"{_med([r['useful_steps'] for r in rs], fmt='{:.0f}')} | "
-                f"{_med([e['lost_steps'] for e in ev], fmt='{:.0f}')} | {_med([e['restart_s'] for e in ev])} | "
+                f"{lost[0]}, {lost[1]} | {_med([e['restart_s'] for e in ev])} | "
                 f"{_med([e['proc_to_first_step_s'] for e in ev])} | {_med([r['stall_s'] for r in rs], 1e3)} | "
-                f"{_med([r['persist_stall_s'] for r in rs], 1e3)} | {check} |")
+                f"{_med([r['persist_stall_s'] for r in rs], 1e3)} | {_med([r.get('commit_s') for r in rs])} | "
+                f"{check} |")
         ev = [e for r in runs if r["config"] == config for e in r["events"]]
         for kind, sel in (("process", [e for e in ev if not e["node"]]), ("node", [e for e in ev if e["node"]])):
             if sel:
@@ -456,7 +653,9 @@ def report(result: dict[str, Any]) -> str:
               "model+DDP | checkpointer | load | first step | total |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
               *breakdown]
-    lines += ["", "goodput: useful steps / the ceiling's steps in the same repeat. own-rate goodput: useful steps x "
+    lines += ["", "goodput: useful steps / the ceiling's steps in the same repeat. model: _goodput_model.goodput fed "
+              "with the run's measured failures, downtimes, mean step time and commit time, the lost work modelled "
+              "(half the interval between usable checkpoints). own-rate goodput: useful steps x "
               "this run's median step time without a save / the budget (the share of the budget spent on steps "
               "that count, at the run's own speed: on a shared host it does not see the load drift between runs)."]
     return "\n".join(lines)
@@ -498,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.probe_persist:
+        _persist_cost_probe(args)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up the run's processes on the way out
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -18,6 +18,9 @@ SAVER_KEEP_RUN_DIR = "FLASHCKPT_SAVER_KEEP_RUN_DIR"
 which otherwise removes it: for tests and debugging that read the log afterwards."""
 SAVER_NICE = "FLASHCKPT_SAVER_NICE"
 """Niceness added to the saver (default 10): training keeps the CPU when both want it."""
+DIRECT_IO = "FLASHCKPT_DIRECT_IO"
+"""``0``: local storage writes through the page cache (default: ``O_DIRECT`` where the file system
+takes it, see ``core/storage.py``)."""
 FAULT = "FLASHCKPT_FAULT"
 """Fault injection (tests only): ``point[@n][,point[@n]...]`` SIGKILLs the process the n-th time
 (default: the first) it reaches ``point``; see ``flashckpt_integrations/_utils/faults.py``."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import importlib
 import io
 import logging
+import mmap
 import os
 import shutil
 import sys
@@ -28,6 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any, Protocol, runtime_checkable
 
+from .. import knobs
 from ..errors import StorageError, missing_dependency
 
 logger = logging.getLogger(__name__)
@@ -111,7 +114,12 @@ def _wrap(op: str, path: str, exc: BaseException) -> StorageError:
 
 
 class LocalStorage:
-    """POSIX file system storage: temporary file, fsync, rename, fsync of the directory."""
+    """POSIX file system storage: temporary file, fsync, rename, fsync of the directory.
+
+    Checkpoint files are written with ``O_DIRECT`` through an aligned buffer where the file system
+    takes it (:class:`_DirectWrite`), else through the page cache with early writeback
+    (:class:`_WriteBehind`).
+    """
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
@@ -127,11 +135,12 @@ class LocalStorage:
         tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
         try:
             os.makedirs(parent, exist_ok=True)
-            f = open(tmp, "wb")  # noqa: SIM115 - closed below, on every path
+            direct = _DirectWrite.open(tmp)
+            f = direct or open(tmp, "wb")  # noqa: SIM115 - closed below, on every path
         except OSError as exc:
             raise _wrap("write", path, exc) from exc
         try:
-            yield _WriteBehind(f)
+            yield direct or _WriteBehind(f)
             f.flush()
             os.fsync(f.fileno())
             f.close()
@@ -247,6 +256,120 @@ class _WriteBehind:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
+
+
+class _DirectWrite:
+    """A write-only file that bypasses the page cache: ``O_DIRECT`` writes of an aligned buffer.
+
+    Buffered writes of a checkpoint cost the saver's host about as much kernel time as the copy
+    into the page cache and its writeback take (0.1-0.6 s of CPU per 229 MiB here), and fill the
+    page cache with files nobody reads soon; through ``O_DIRECT`` the same file costs a copy into
+    this buffer and 0.01-0.03 s of kernel time. The data is gathered into an 8 MiB page-aligned
+    buffer and written a full buffer at a time; :meth:`flush` writes what is left, the last block
+    padded with zeros, and truncates the file to its size. Writing resumes only after a flush when
+    the data so far ends on a block boundary, so ``flush`` is meant once, at the end (as
+    :meth:`LocalStorage.open_write` does). A file system that refuses ``O_DIRECT`` at open gets
+    the buffered path; one that refuses it at the first write has the flag cleared and the data
+    written through the page cache.
+    """
+
+    BUFFER = 8 << 20
+    ALIGN = 4096
+    _supported: dict[int, bool] = {}  # st_dev -> took O_DIRECT
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer = mmap.mmap(-1, self.BUFFER)
+        self._view = memoryview(self._buffer)
+        self._fill = 0
+        self._size = 0
+        self._direct = True
+        self.closed = False
+
+    @classmethod
+    def open(cls, path: str) -> _DirectWrite | None:
+        """The file at ``path``, created for ``O_DIRECT`` writing; None where that is not to be had."""
+        if not hasattr(os, "O_DIRECT") or knobs.get(knobs.DIRECT_IO, "1") == "0":
+            return None
+        dev = os.stat(os.path.dirname(path) or ".").st_dev
+        if cls._supported.get(dev) is False:
+            return None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            cls._supported[dev] = False  # tmpfs before Linux 6.6, some FUSE and network file systems
+            return None
+        cls._supported[dev] = True
+        return cls(fd)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n, done = len(view), 0
+        if not self._direct:
+            self._write_all(view)
+            return n
+        while done < n:
+            take = min(n - done, self.BUFFER - self._fill)
+            self._view[self._fill:self._fill + take] = view[done:done + take]
+            self._fill += take
+            done += take
+            if self._fill == self.BUFFER:
+                self._drain(self.BUFFER)
+        return n
+
+    def _drain(self, nbytes: int) -> None:
+        try:
+            self._write_all(self._view[:nbytes])
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not self._direct:
+                raise
+            self._buffered()
+            self._write_all(self._view[:nbytes])
+        self._fill = 0
+
+    def _buffered(self) -> None:
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        self._direct = False
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            written = os.write(self._fd, view)
+            self._size += written
+            view = view[written:]
+            if view and self._direct and written % self.ALIGN:
+                self._buffered()  # a short write off a block boundary: the rest goes buffered
+
+    def flush(self) -> None:
+        if not self._fill:
+            return
+        if not self._direct:
+            self._write_all(self._view[:self._fill])
+            self._fill = 0
+            return
+        size = self._size + self._fill
+        padded = -(-self._fill // self.ALIGN) * self.ALIGN
+        self._view[self._fill:padded] = bytes(padded - self._fill)
+        self._drain(padded)
+        os.ftruncate(self._fd, size)
+        os.lseek(self._fd, size, os.SEEK_SET)
+        self._size = size
+        if size % self.ALIGN:
+            self._buffered()  # later writes (none from open_write) start off a block boundary
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        os.close(self._fd)
+        with contextlib.suppress(BufferError):  # a failed write's traceback may still hold a slice
+            self._view.release()
+            self._buffer.close()
 
 
 def _load_sync_file_range() -> Callable[..., int] | None:

@@ -3,13 +3,20 @@
 import contextlib
 import io
 import os
+import random
 import subprocess
 
 import pytest
 import torch
 
 from flashckpt_integrations import Storage, register_storage
-from flashckpt_integrations.core.storage import FsspecStorage, LocalStorage, storage_from_url, write_bytes
+from flashckpt_integrations.core.storage import (
+    FsspecStorage,
+    LocalStorage,
+    _DirectWrite,
+    storage_from_url,
+    write_bytes,
+)
 from tests.s3_server import start_s3_server
 
 
@@ -53,6 +60,32 @@ def test_local_write_is_atomic(tmp_path):
         f.write(b"partial")
         raise RuntimeError("crash while writing")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_local_writes_every_size_and_chunking(direct, tmp_path, monkeypatch):
+    """Files written through O_DIRECT (default where the file system takes it) or the page cache hold
+    exactly the bytes written, whatever the sizes of the writes, and end at their size."""
+    monkeypatch.setenv("FLASHCKPT_DIRECT_IO", direct)
+    storage, rnd = LocalStorage(str(tmp_path)), random.Random(7)
+    buffer = _DirectWrite.BUFFER
+    for size in (0, 1, 4095, 4096, 4097, buffer, buffer + 3, 3 * buffer + 5000):
+        data = os.urandom(size)
+        with storage.open_write(f"f{size}") as f:
+            assert isinstance(f, _DirectWrite) == (direct == "1" and _DirectWrite._supported.get(
+                os.stat(tmp_path).st_dev, False))
+            done = 0
+            while done < size:
+                n = rnd.choice([1, 7, 100, 5000, 1 << 20, buffer + 9])
+                f.write(memoryview(data)[done:done + n])
+                done += n
+        assert os.path.getsize(tmp_path / f"f{size}") == size and storage.read(f"f{size}") == data
+    # a flush in the middle (not what open_write does, but allowed): what follows is appended after it
+    with storage.open_write("flushed") as f:
+        f.write(b"a" * 5000)
+        f.flush()
+        f.write(b"b" * (buffer + 1))
+    assert storage.read("flushed") == b"a" * 5000 + b"b" * (buffer + 1)
 
 
 def test_registry_and_factory_strings(tmp_path):
