@@ -235,12 +235,12 @@ def _persist_cost_probe(args: argparse.Namespace) -> None:
     ck = Checkpointer(os.path.join(args.probe_persist, "ckpt"))
     ck.prepare(state)
     stalls = []
-    for step in range(-5, 0):
+    for step in range(1, 6):
         t0 = time.perf_counter()
         ck.save(step, state, persist=False)
         stalls.append(time.perf_counter() - t0)
     cpu, commit = [], []
-    for step in range(1, 6):
+    for step in range(6, 11):
         before, t0 = _savers_cpu(args.probe_persist), time.perf_counter()
         if not ck.save(step, state, persist=True).wait(120).committed:
             raise RuntimeError(f"the probe's persist of step {step} did not commit")
