@@ -11,11 +11,14 @@ memory (``replicas=1``). It reports the median and 90th percentile of the traini
 of the save's blocking time, each rank's restore time on the relaunch, and what each node's
 saver sent for its newest copy. With ``--data-parallel`` every rank holds the same state (as
 data-parallel replicas do) and a third case runs ``replicas=1`` with the data-parallel reuse off
-(``FLASHCKPT_REPLICA_REUSE=0``): the bytes sent per snapshot with and without it.
+(``FLASHCKPT_REPLICA_REUSE=0``): the bytes sent per snapshot with and without it. With ``--s3`` a
+case ``replicas=0`` checkpoints to an S3-compatible server on loopback (moto, ``tests/s3_server.py``)
+instead of the local disk: the restore of node 1's ranks from it, beside the other two.
 
     python benchmarks/bench_replication.py                    # 256 MiB per rank, 1 rank per node
     python benchmarks/bench_replication.py --mib 1024 --steps 40 --json out.json
     python benchmarks/bench_replication.py --data-parallel --mib 256
+    python benchmarks/bench_replication.py --mib 1024 --steps 20 --s3
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     count = 64
     state = {f"w{i:02d}": torch.randn(args.mib * (1 << 20) // 4 // count, generator=gen) for i in range(count)}
     work = torch.randn(256, 256, generator=gen)
-    ck = Checkpointer(args.ckpt, replicas=args.replicas)
+    ck = Checkpointer(args.ckpt, replicas=args.replicas, storage_options=json.loads(args.storage_options))
     out = os.path.join(args.out, f"rank-{rank}.json")
     record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "run_dir": ck.run_dir}
     if args.load_only:
@@ -104,7 +107,7 @@ def _free_port() -> int:
 
 
 def _launch(args: argparse.Namespace, ckpt: str, out: str, shm: list[str], replicas: int,
-            load_only: bool, reuse: bool = True) -> list[subprocess.Popen]:
+            load_only: bool, reuse: bool = True, options: dict[str, Any] | None = None) -> list[subprocess.Popen]:
     os.makedirs(out, exist_ok=True)
     port = _free_port()
     procs = []
@@ -113,7 +116,8 @@ def _launch(args: argparse.Namespace, ckpt: str, out: str, shm: list[str], repli
                f"--nproc-per-node={args.nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
                os.path.abspath(__file__), "--worker", "--ckpt", ckpt, "--out", out, "--replicas", str(replicas),
                "--mib", str(args.mib), "--steps", str(args.steps), "--persist-every", str(args.persist_every),
-               "--matmuls", str(args.matmuls), *(["--load-only"] if load_only else []),
+               "--matmuls", str(args.matmuls), "--storage-options", json.dumps(options or {}),
+               *(["--load-only"] if load_only else []),
                *(["--data-parallel"] if args.data_parallel else [])]
         env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_NODE_ID": f"bench-node{node}",
                "FLASHCKPT_SHM_DIR": shm[node], "FLASHCKPT_REPLICA_REUSE": "1" if reuse else "0"}
@@ -192,15 +196,19 @@ def _copies(records: list[dict[str, Any]], nproc: int) -> list[dict[str, Any]]:
     return copies
 
 
-def run_case(args: argparse.Namespace, base: str, replicas: int, reuse: bool = True) -> dict[str, Any]:
+def run_case(args: argparse.Namespace, base: str, replicas: int, reuse: bool = True, s3: Any = None) -> dict[str, Any]:
+    """One case; ``s3``: the S3-compatible server to checkpoint to instead of the local disk."""
     ckpt = os.path.join(base, f"ckpt-r{replicas}")
+    options = None
+    if s3 is not None:
+        ckpt, options = f"s3://{s3.make_bucket(f'bench-{os.path.basename(base).lower()}')}/ckpt", s3.storage_options
     shm_base = tempfile.mkdtemp(prefix=f"flashckpt-bench-r{replicas}-", dir=args.shm_dir)
     shm = [os.path.join(shm_base, f"node{n}") for n in (0, 1)]
     for path in shm:
         os.mkdir(path, 0o700)
     world = 2 * args.nproc
     train_out, load_out = os.path.join(base, f"train-r{replicas}"), os.path.join(base, f"load-r{replicas}")
-    procs = _launch(args, ckpt, train_out, shm, replicas, load_only=False, reuse=reuse)
+    procs = _launch(args, ckpt, train_out, shm, replicas, load_only=False, reuse=reuse, options=options)
     records: list[dict[str, Any]] = []
     copies: list[dict[str, Any]] = []
     try:
@@ -216,9 +224,10 @@ def run_case(args: argparse.Namespace, base: str, replicas: int, reuse: bool = T
             copies = _copies(records, args.nproc)
         _kill(procs, records)
         shutil.rmtree(shm[1])  # node 1 is replaced: none of its memory is left,
-        _evict(ckpt)  # and nothing of the checkpoint is in its page cache
+        if s3 is None:
+            _evict(ckpt)  # and nothing of the checkpoint is in its page cache
         os.mkdir(shm[1], 0o700)
-        procs = _launch(args, ckpt, load_out, shm, replicas, load_only=True, reuse=reuse)
+        procs = _launch(args, ckpt, load_out, shm, replicas, load_only=True, reuse=reuse, options=options)
         for proc in procs:
             output, _ = proc.communicate(timeout=1800)
             if proc.returncode != 0:
@@ -227,8 +236,9 @@ def run_case(args: argparse.Namespace, base: str, replicas: int, reuse: bool = T
     finally:
         _kill(procs, records)
         shutil.rmtree(shm_base, ignore_errors=True)
-    return {"replicas": replicas, "reuse": reuse, "steps": [s for r in records for s in r["steps"][1:]],
-            "loads": loads, "copies": copies}  # (step 1 makes the slots: not counted)
+    return {"replicas": replicas, "reuse": reuse, "s3": s3 is not None,
+            "steps": [s for r in records for s in r["steps"][1:]],  # (step 1 makes the slots: not counted)
+            "loads": loads, "copies": copies}
 
 
 def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -241,7 +251,8 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         loads.append({"seconds": statistics.median(s["seconds"] for s in samples), "source": samples[0]["source"],
                       "fetched": {"seconds": statistics.median(fetches)} if fetches else None, "samples": samples})
     copies = [c for run in runs for c in run["copies"] if c.get("bytes")]
-    return {"replicas": runs[0]["replicas"], "reuse": runs[0]["reuse"], "repeats": len(runs),
+    return {"replicas": runs[0]["replicas"], "reuse": runs[0]["reuse"], "s3": runs[0].get("s3", False),
+            "repeats": len(runs),
             **{key: _stats([s[key] for s in steps]) for key in ("step_s", "compute_s", "blocking_s")},
             "loads": loads,
             "sent_share": statistics.median(c["sent"] / c["bytes"] for c in copies) if copies else None,
@@ -266,7 +277,10 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
     parser.add_argument("--data-parallel", action="store_true",
                         help="every rank holds the same state; adds replicas=1 with the data-parallel reuse off")
+    parser.add_argument("--s3", action="store_true",
+                        help="adds replicas=0 with the checkpoints on an S3-compatible server on loopback (moto)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--storage-options", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -275,15 +289,26 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    cases = [(0, True), (1, True)] + ([(1, False)] if args.data_parallel else [])
-    runs: dict[tuple[int, bool], list[dict[str, Any]]] = {case: [] for case in cases}
-    for repeat in range(args.repeats):  # alternating, so that every case sees the same machine noise
-        for case in cases if repeat % 2 == 0 else cases[::-1]:
-            base = tempfile.mkdtemp(prefix="flashckpt-bench-replication-", dir=args.dir)
-            try:
-                runs[case].append(run_case(args, base, *case))
-            finally:
-                shutil.rmtree(base, ignore_errors=True)
+    cases = [(0, True, False), (1, True, False)] + ([(1, False, False)] if args.data_parallel else []) + (
+        [(0, True, True)] if args.s3 else [])
+    s3 = None
+    if args.s3:
+        sys.path.insert(0, REPO)
+        from tests.s3_server import start_s3_server
+
+        s3 = start_s3_server()
+    runs: dict[tuple[int, bool, bool], list[dict[str, Any]]] = {case: [] for case in cases}
+    try:
+        for repeat in range(args.repeats):  # alternating, so that every case sees the same machine noise
+            for case in cases if repeat % 2 == 0 else cases[::-1]:
+                base = tempfile.mkdtemp(prefix="flashckpt-bench-replication-", dir=args.dir)
+                try:
+                    runs[case].append(run_case(args, base, case[0], case[1], s3 if case[2] else None))
+                finally:
+                    shutil.rmtree(base, ignore_errors=True)
+    finally:
+        if s3 is not None:
+            s3.stop()
     results = [_merge(runs[case]) for case in cases]
     report(args, results)
     if args.json:
@@ -297,7 +322,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(f"{args.mib} MiB per rank, 2 nodes x {args.nproc} rank(s), {args.steps} steps, a memory snapshot every "
           f"step, persisted every {args.persist_every}; {os.cpu_count()} CPU cores; medians of {args.repeats} runs"
           + ("; every rank holds the same state" if args.data_parallel else ""))
-    names = [f"replicas={r['replicas']}" + ("" if r["reuse"] else ", no reuse") for r in results]
+    names = [f"replicas={r['replicas']}" + ("" if r["reuse"] else ", no reuse") + (", S3" if r["s3"] else "")
+             for r in results]
     print(f"{'':34}" + "".join(f"{name:>22}" for name in names))
     for label, key in (("training step (compute + save)", "step_s"), ("  compute alone", "compute_s"),
                        ("save blocking time", "blocking_s")):
@@ -314,6 +340,10 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         fetch = f" (the fetch {b['fetched']['seconds']:.3f} s)" if b["fetched"] else ""
         print(f"  rank {rank} (node {node}): {a['seconds']:.3f} s from {a['source']}  vs  {b['seconds']:.3f} s from "
               f"{'peer memory' + fetch if b['fetched'] else 'its own ' + b['source']}")
+    for r in results:
+        if r["s3"]:
+            print("  from the S3-compatible server on loopback (replicas=0): " + ", ".join(
+                f"rank {rank} {load['seconds']:.3f} s" for rank, load in enumerate(r["loads"])))
 
 
 if __name__ == "__main__":

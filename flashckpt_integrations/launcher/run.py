@@ -14,9 +14,12 @@ On top of that, per node:
 - When a worker fails it prints that rank's error with host and rank: the exception and its
   traceback (from torch elastic's error file when the script uses ``@record``, else from the
   rank's stderr, which the launcher tees to a log unless ``--tee``/``--redirects`` say
-  otherwise), or the signal and exit code. Then it persists the newest step that every local
-  rank holds complete in memory, if that step is newer than the last commit, and restarts the
-  workers (up to ``--max-restarts``); they resume from memory.
+  otherwise), or the signal and exit code. Then it restarts the workers (up to
+  ``--max-restarts``), which resume from memory, and beside the restart, on a thread of its own,
+  persists the newest step that every local rank holds complete in memory, if that step is newer
+  than the last commit: the restart does not wait for the write. The saver's per-slot lock keeps
+  the restarted workers' saves off a slot while it is being written; a persist that finds its
+  snapshot replaced meanwhile says so and writes nothing.
 - On SIGTERM/SIGINT (torchrun's ``--signals-to-handle``) it stops the workers, persists the same
   way, waits for in-flight persisting and exits with 128 + the signal number.
 - Before it exits it waits (``--drain-timeout``) for the saver's in-flight persists and commits.
@@ -43,6 +46,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import torch.distributed.elastic.rendezvous.registry as rdzv_registry
@@ -234,6 +238,7 @@ class NodeCare:
         self.host = socket.gethostname()
         self.group_rank = 0
         self._client: _LauncherClient | None = None
+        self._beside: ThreadPoolExecutor | None = None  # the persist after a failure, beside the restart
 
     def before_workers(self, group_rank: int) -> None:
         """Start (or find) the node's saver before the workers, so it outlives them."""
@@ -260,7 +265,18 @@ class NodeCare:
             report_failures(failures, stderrs, self.host, self.group_rank)
         except Exception as exc:  # never let reporting stop the restart
             _say(f"could not report the failed workers: {type(exc).__name__}: {exc}")
-        self.persist("a worker failed")
+        if self.job is not None:
+            if self._beside is None:
+                self._beside = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-run-persist")
+            self._beside.submit(self.persist, "a worker failed")
+        else:
+            self.persist("a worker failed")
+
+    def wait_for_persist(self) -> None:
+        """Wait for the persist after a failure (the next stop, failure or exit comes after it)."""
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
+            self._beside = None
 
     def persist(self, why: str) -> None:
         """Persist and commit the newest step every local rank holds in memory, if newer than storage."""
@@ -285,6 +301,7 @@ class NodeCare:
 
     def drain(self) -> None:
         """Wait (bounded) for the saver's in-flight persists and commits, then leave it."""
+        self.wait_for_persist()
         if self.job is not None:
             deadline = time.monotonic() + self.drain_timeout
             pending = self._in_flight()
@@ -446,6 +463,7 @@ def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: Nod
         return 1 if result.is_failed() else 0
     except SignalException as exc:  # the agent has stopped the workers
         shutdown_rdzv = False  # as torch does: the rendezvous stays open for the other nodes
+        care.wait_for_persist()
         care.persist(f"stopped by {exc.sigval.name}")
         return 128 + int(exc.sigval)
     finally:
