@@ -3,7 +3,7 @@
 seeded exponential process kills it, restarted by its launcher each time.
 
     python benchmarks/bench_goodput.py --quick                   # a few minutes
-    python benchmarks/bench_goodput.py --budget-s 120 --mtbf 10 20 40 80 --repeats 3 --json out.json
+    python benchmarks/bench_goodput.py --json out.json           # the sweep: 120 s runs, MTBF 10 20 40 s, 3 repeats
     python benchmarks/bench_goodput.py --model [--from-json out.json] [--storage-gbps 2000]
 
 Configurations, round-robin in each repeat (the ceiling once per repeat, the others once per MTBF):
@@ -12,16 +12,19 @@ Configurations, round-robin in each repeat (the ceiling once per repeat, the oth
 - ``torch.save``: rank 0 writes ``torch.save`` + fsync (temporary file, then rename) every N steps,
   N at the Young/Daly optimum ``sqrt(2 * C * MTBF)`` for the measured save cost C and step time;
   restarted by ``torchrun --max-restarts``.
-- ``flashckpt``: a memory snapshot every step (``--snapshot-every`` k), persisted every N steps (the same N), under
-  ``flashckpt-run``.
+- ``flashckpt``: a memory snapshot every k steps, persisted every N steps, under ``flashckpt-run``;
+  k and N at their own Young/Daly optima: k for the measured stall of a snapshot (at most 3), N for
+  what a persist takes from training (the savers' measured CPU time) against the node losses
+  alone, since a process failure resumes from memory (``--snapshot-every``, ``--persist-every``).
 - Peer replicas (``replicas=1``) need two simulated nodes, two agents on a 2-core host; they are
   not measured here (see the note printed with the table), only modelled by ``--model``.
 
 Failures: after each (re)start, once the job has completed its first step, the next failure comes
 after an exponential time with mean ``--mtbf`` of training (the clock runs while the job trains).
 It SIGKILLs a random rank; a share ``--node-loss`` of the failures are node losses that also kill
-the node's saver and empty its shared-memory directory. The same seed gives every configuration
-the same draws.
+the node's saver, empty its shared-memory directory and drop the checkpoint files from the page
+cache (a replacement node reads storage cold). The same seed gives every configuration the same
+draws.
 
 The budget runs from the job's first completed step (the first start costs every configuration
 the same). Goodput = useful steps (the highest step completed within the budget, so redone steps
@@ -29,7 +32,10 @@ do not count) / the steps the ceiling completes in the same budget. Per failure:
 redone), restart time (kill to the end of the first step after it, and process start to first
 step), split into launcher (kill to worker process start), interpreter and imports, process
 group, checkpointer (model built, saver connected), load and first step, from timestamps that the
-workers record. The stall per checkpoint is the time the save holds the training loop.
+workers record. The stall per checkpoint is the time the save holds the training loop. The ``model`` column is
+``_goodput_model.goodput`` fed with the run's own measured failures, downtimes, mean step time and
+commit time, and the lost work it models (half the interval between usable checkpoints): the
+check that the projection at scale rests on a model that explains what was measured here.
 
 Every step is a pure function of (seed, step, rank) and the state restored, so every
 configuration must reproduce the ceiling's parameters: rank 0 records a CRC-32 of the parameters
@@ -160,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budget-s", type=float, default=120.0, help="wall-clock seconds per run")
-    p.add_argument("--mtbf", type=float, nargs="+", default=[10.0, 20.0, 40.0, 80.0], help="seconds of training")
+    p.add_argument("--mtbf", type=float, nargs="+", default=[10.0, 20.0, 40.0], help="seconds of training")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--node-loss", type=float, default=0.25, help="share of failures that lose the node")
     p.add_argument("--seed", type=int, default=17)
