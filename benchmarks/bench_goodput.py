@@ -70,6 +70,13 @@ WORLD = 2
 # --- the worker (one rank, under torchrun or flashckpt-run) -------------------------------------
 
 
+def _mlp(hidden: int) -> Any:
+    """The job's model: 784 -> hidden -> hidden -> 10."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
 def _process_start_wall() -> float:
     """Wall-clock time this process was created (10 ms resolution), from /proc."""
     with open("/proc/self/stat") as f:
@@ -84,7 +91,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if args.mode == "flashckpt":
@@ -95,8 +101,7 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     t_pg = time.time()
     torch.manual_seed(args.seed)
-    model = DDP(nn.Sequential(nn.Linear(784, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
-                              nn.ReLU(), nn.Linear(args.hidden, 10)))
+    model = DDP(_mlp(args.hidden))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     t_model = time.time()  # DDP's constructor also waits for the other rank
     ck = Checkpointer(args.ckpt, optimizers=[optimizer]) if args.mode == "flashckpt" else None
@@ -219,10 +224,8 @@ def _state_and_save_cost(args: argparse.Namespace, where: str) -> tuple[int, flo
 def _probe_state(args: argparse.Namespace) -> dict[str, Any]:
     """The training state of the job's model (one rank's), after one optimizer step."""
     import torch
-    from torch import nn
 
-    model = nn.Sequential(nn.Linear(784, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
-                          nn.Linear(args.hidden, 10))
+    model = _mlp(args.hidden)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 784)).sum().backward()
     opt.step()
@@ -257,9 +260,9 @@ def _persist_cost_probe(args: argparse.Namespace) -> None:
                       "stall_s": statistics.median(stalls[1:])}))
 
 
-def _savers_cpu(run_root: str) -> float:
-    """CPU seconds (user + system) used so far by the savers whose run directory is under ``run_root``."""
-    total = 0.0
+def _saver_pids(run_dir: str) -> list[int]:
+    """The savers whose run directory (``$FLASHCKPT_RUN_DIR``) starts with ``run_dir``."""
+    pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -268,13 +271,23 @@ def _savers_cpu(run_root: str) -> float:
                 if b"core.saver" not in f.read():
                     continue
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if f"FLASHCKPT_RUN_DIR={run_root}".encode() not in f.read():
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                if f"FLASHCKPT_RUN_DIR={run_dir}".encode() in f.read():
+                    pids.append(int(entry))
         except OSError:
             continue
+    return pids
+
+
+def _savers_cpu(run_root: str) -> float:
+    """CPU seconds (user + system) used so far by the savers whose run directory is under ``run_root``."""
+    total = 0.0
+    for pid in _saver_pids(run_root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
 
@@ -358,20 +371,7 @@ class Run:
                     self.steps.append(r)
 
     def _savers(self) -> list[int]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/cmdline", "rb") as f:
-                        if b"core.saver" in f.read() and self._env_has(entry):
-                            pids.append(int(entry))
-                except OSError:
-                    continue
-        return pids
-
-    def _env_has(self, pid: str) -> bool:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"FLASHCKPT_RUN_DIR={self.dir}/run".encode() in f.read()
+        return _saver_pids(f"{self.dir}/run")
 
     def _poll_commit(self) -> None:
         try:

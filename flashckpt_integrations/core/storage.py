@@ -320,13 +320,7 @@ class _DirectWrite:
         return n
 
     def _drain(self, nbytes: int) -> None:
-        try:
-            self._write_all(self._view[:nbytes])
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or not self._direct:
-                raise
-            self._buffered()
-            self._write_all(self._view[:nbytes])
+        self._write_all(self._view[:nbytes])
         self._fill = 0
 
     def _buffered(self) -> None:
@@ -336,7 +330,13 @@ class _DirectWrite:
 
     def _write_all(self, view: memoryview) -> None:
         while view:
-            written = os.write(self._fd, view)
+            try:
+                written = os.write(self._fd, view)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self._direct:
+                    raise
+                self._buffered()  # refused at a write: the rest (what was not written yet) goes buffered
+                continue
             self._size += written
             view = view[written:]
             if view and self._direct and written % self.ALIGN:
