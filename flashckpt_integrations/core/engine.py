@@ -88,8 +88,10 @@ class Checkpointer(LoadPath):
         shm_dir = knobs.get(knobs.SHM_DIR, self.config.shm_dir)
         prefix = f"flashckpt-{os.getuid()}-{self.job_key}-r{self.rank}"
         self.slot_paths = [os.path.join(shm_dir, f"{prefix}-{k}") for k in range(self.config.slots)]
-        self._slots: list[Slot | None] = [None] * self.config.slots
-        self._persisting: list[Future | None] = [None] * self.config.slots
+        # One more slot, used only while the saver has not answered yet (see _may_hold): the last index.
+        self._held_path = os.path.join(shm_dir, f"{prefix}-{self.config.slots}")
+        self._slots: list[Slot | None] = [None] * (self.config.slots + 1)
+        self._persisting: list[Future | None] = [None] * (self.config.slots + 1)
         self._replicas = replica_restore.ReplicaHook(self)
         self._client = SaverClient(self.run_dir, self.rank, start_timeout=self.config.saver_start_timeout_s,
                                    hello=self._replicas.hello())
@@ -105,7 +107,9 @@ class Checkpointer(LoadPath):
         self._closed = False
         self._view: lineage.View | None = None
         self._decided = False
-        self._unpublished: dict[str, Any] | None = None  # a resumed attempt's record, written at its first save
+        self._unpublished: dict[str, Any] | None = None  # the attempt's record, written at its first save
+        self._lineage_writer = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-lineage")
+        self._recording: Future | None = None  # that write, while the first save copies
         self._saves_of: dict[int, int] = {}
         self._pickles = PickleCache()
         self._seq = self._newest_seq() + 1
@@ -144,11 +148,17 @@ class Checkpointer(LoadPath):
         nbytes: int | None = None,
         background: bool = False,
     ) -> None:
-        """Create and pre-fault both slots ahead of the first save, sized for ``state``.
+        """Create and pre-fault both slots ahead of the first save, sized for ``state`` (and, on
+        rank 0, give a new checkpoint directory its identity, which the first save would write).
 
         With ``background`` the slots are made on a helper thread and this returns at once; a
         save that comes first waits for the slot it writes into (and never for more).
         """
+        if self.rank == 0 and not self._decided:  # the directory's identity, ahead of the first save
+            try:
+                lineage.ensure_identity(self.storage)
+            except Exception as exc:  # the first save reports what is wrong with the storage
+                logger.debug("[RANK 0] could not read or write the identity of %s yet: %s", self.url, exc)
         device: int | None = None
         if nbytes is None:
             plan = plan_snapshot(normalize_files(self._files(state, files)))
@@ -156,12 +166,12 @@ class Checkpointer(LoadPath):
             nbytes = plan.layout(HEADER_SIZE) + 64 * 1024 + 256 * len(plan.regions)
             device = devices.device_index(plan)
         if background:
-            for index in range(len(self._slots)):
+            for index in range(len(self.slot_paths)):
                 self._background.submit(self._prepare_slot, index, nbytes, device)
             return
         with self._lock:  # never remap a slot under an overlapped copy (or a save) into it
             self.wait_for_snapshot()
-            for index in range(len(self._slots)):
+            for index in range(len(self.slot_paths)):
                 if self._persisting[index] is None or self._persisting[index].done():
                     self._ensure_slot(index, nbytes, pin=device, wait_pin=True)
 
@@ -195,9 +205,10 @@ class Checkpointer(LoadPath):
         specs = normalize_files(self._files(state, files))
         overlap = self.config.async_snapshot if async_snapshot is None else async_snapshot
         if not self._decided:  # neither load() nor start_attempt(): this attempt starts from scratch
-            self.start_attempt(None)
-        if self._unpublished is not None:  # rank 0: the first save of a resumed attempt records it
-            self._publish_attempt()
+            self._begin(None, None, by_save=True)
+        if self._unpublished is not None:  # rank 0: the first save of an attempt records it, beside
+            record, self._unpublished = self._unpublished, None  # its copy (sealed only once it is written)
+            self._recording = self._lineage_writer.submit(self._record_attempt, record)
         with self._lock:
             self.wait_for_snapshot()
             plan = plan_snapshot(specs, self._pickles)
@@ -212,27 +223,34 @@ class Checkpointer(LoadPath):
                 "persist_target": self._persist_target(),  # lets a launcher or the CLI persist it later
                 "tag": view.tag(),
             }
-            index, reason = self._choose_slot()
+            index, reason = self._choose_slot(hold=end if persist else 0)
             if index is None:
                 return SaveResult(step, SaveStatus.SKIPPED, reason)
             seq = self._seq
             sid = self._save_id(step, view) if persist else ""
             if persist:  # in the slot too: a saver persists it even if this process dies before asking
-                meta["persist"] = self._persist_request(step, seq, self.slot_paths[index], sid)
+                meta["persist"] = self._persist_request(step, seq, self._path(index), sid)
             raw_meta = json.dumps(meta, separators=(",", ":")).encode()
             pin = devices.device_index(plan)
             front = _CopyFront(plan) if pin is None and self._slot(index) is None else None
             try:  # a new slot for a host copy is not pre-faulted here: the helper below faults it in
                 slot = self._ensure_slot(index, end + len(raw_meta), pin=pin, populate=front is None)
             except SharedMemoryError as exc:
+                self._wait_recorded()
                 return direct.fallback(self, step, plan, meta, persist, exc)
+            if index == len(self.slot_paths):
+                self._record_slot_paths()  # a saver that starts after a crash persists the held slot too
             if front is not None:  # from its end, while the copy writes from its start (queued first)
                 self._background.submit(slot.fault_in_from_end, front.offset)
             self._seq += 1
-            for other in range(len(self._slots)):  # the other slot is created off the training path, sized
+            for other in range(len(self.slot_paths)):  # the other slot is created off the training path, sized
                 # for this state as this one was (its headroom is added once, by the slot, not twice)
                 if other != index and self._slots[other] is None:
                     self._background.submit(self._prepare_slot, other, end + len(raw_meta), devices.device_index(plan))
+            if persist and not self._client.connected and self._slots[-1] is None:
+                # the saver is not up yet: should the next save find every slot waiting for it, the
+                # held slot is ready (made off the training path, where /dev/shm has room for it)
+                self._background.submit(self._prepare_held, end + len(raw_meta), devices.device_index(plan))
             slot.begin_write(step, seq)
             if persist:
                 slot.mark_persist_requested(seq)
@@ -367,6 +385,7 @@ class Checkpointer(LoadPath):
                     if front is not None:
                         front.finish()
             devices.finish_copy(copy)  # sleeps on the done events (no spinning, no device-wide sync)
+            self._wait_recorded()
             slot.seal()
             fault_point("trainer.sealed")  # sealed, the saver not yet asked
         except Exception as exc:
@@ -377,11 +396,26 @@ class Checkpointer(LoadPath):
             if durable is not None and not stream:
                 durable.set_result({"ok": False, "error": error})
             return error
-        self._replicas.sealed(slot.path, step, seq)  # peers copy it in the background
+        if index < len(self.slot_paths):  # a held slot lives only until its persist: never replicated
+            self._replicas.sealed(slot.path, step, seq)  # peers copy it in the background
         if durable is not None and not stream:
             self._persisting[index] = durable
             self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
         return None
+
+    def _record_attempt(self, record: dict[str, Any]) -> None:
+        try:
+            self._publish_attempt(record)
+        except Exception:
+            self._unpublished = record  # the next save tries again; this one fails with the reason
+            raise
+
+    def _wait_recorded(self) -> None:
+        """Wait for the attempt's record (written beside its first save's copy): a snapshot is
+        usable only once it is on storage, else a restart could not tell which attempt took it."""
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.result()
 
     def _connect_quietly(self) -> None:
         """Start or find the saver off the training path; a failure is retried at persist time."""
@@ -425,8 +459,11 @@ class Checkpointer(LoadPath):
 
     def _persist_request(self, step: int, seq: int, slot_path: str, sid: str) -> dict[str, Any]:
         """What the saver needs to persist one snapshot (sent to it, and kept in the slot)."""
-        return {"rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq, "slot": slot_path,
-                "sid": sid, "tag": self._lineage_view().tag(), **self._persist_target()}
+        request = {"rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq, "slot": slot_path,
+                   "sid": sid, "tag": self._lineage_view().tag(), **self._persist_target()}
+        if slot_path == self._held_path:
+            request["held"] = True  # the saver unmaps it afterwards: its memory goes once it is released
+        return request
 
     def _save_id(self, step: int, view: lineage.View) -> str:
         """The id of this attempt's next persisted save of ``step``: the same on every rank."""
@@ -449,7 +486,8 @@ class Checkpointer(LoadPath):
             try:
                 private_dir(self.run_dir)
                 with open(path + ".tmp", "w") as f:
-                    json.dump({"rank": self.rank, "slots": self.slot_paths}, f)
+                    held = [self._held_path] if self._slots[-1] is not None or os.path.exists(self._held_path) else []
+                    json.dump({"rank": self.rank, "slots": self.slot_paths + held}, f)
                 os.replace(path + ".tmp", path)
                 return
             except FileNotFoundError:
@@ -489,23 +527,80 @@ class Checkpointer(LoadPath):
             raise TimeoutError(f"step {step} was not committed within {timeout}s; it may still be")
         return PersistResult(step, False, f"no commit of step {step} appeared within the commit timeout")
 
-    def _choose_slot(self) -> tuple[int | None, str | None]:
-        """Pick a slot not being persisted, preferring the one without the newest snapshot."""
+    def _choose_slot(self, hold: int = 0) -> tuple[int | None, str | None]:
+        """Pick a slot not being persisted, preferring the one without the newest snapshot.
+
+        With ``hold`` (the size of a save to be persisted), a save that finds every slot waiting
+        for a saver that has not answered yet goes into the held slot instead of waiting for it.
+        """
+        self._release_held()
         deadline = time.monotonic() + self.config.busy_timeout_s
+        count = len(self.slot_paths)
         while True:
-            free = [i for i in range(len(self._slots)) if not self._busy(i)]
+            free = [i for i in range(count) if not self._busy(i)]
             if free:
                 newest = self._newest_index()
                 others = [i for i in free if i != newest]
                 return (others or free)[0], None
+            if hold and self._may_hold(hold):
+                return count, None
             reason = (
-                f"{'both shared-memory slots' if len(self._slots) == 2 else 'the shared-memory slot'} of rank "
-                f"{self.rank} {'are' if len(self._slots) == 2 else 'is'} still being persisted (storage is slower "
+                f"{'both shared-memory slots' if count == 2 else 'the shared-memory slot'} of rank "
+                f"{self.rank} {'are' if count == 2 else 'is'} still being persisted (storage is slower "
                 "than the save interval)"
             )
             if self.config.on_slot_busy is BusyPolicy.SKIP or time.monotonic() > deadline:
                 return None, reason + "; this save was skipped. Save less often or use faster storage."
             time.sleep(0.01)
+
+    def _may_hold(self, nbytes: int) -> bool:
+        """Whether a save may go into the held slot: the saver has not answered yet (so every slot
+        waits on its start, not on storage), the held slot is free, and /dev/shm has room for it."""
+        if self._client.connected or self._busy(len(self.slot_paths)):
+            return False
+        if self._slots[-1] is not None:
+            return True
+        try:
+            stat = os.statvfs(os.path.dirname(self._held_path))
+        except OSError:
+            return False
+        return stat.f_bavail * stat.f_frsize > 1.1 * nbytes + (64 << 20)
+
+    def _prepare_held(self, nbytes: int, pin: int | None) -> None:
+        """Make the held slot ahead of the save that may need it (before the saver answers)."""
+        with self._lock:
+            if self._closed or self._slots[-1] is not None or not self._may_hold(nbytes):
+                return
+            self.wait_for_snapshot()
+            try:
+                self._ensure_slot(len(self.slot_paths), nbytes, pin=pin)
+            except SharedMemoryError as exc:  # a save that would need it waits for a slot instead
+                logger.debug("[RANK %d] no held slot: %s", self.rank, exc)
+                return
+            self._record_slot_paths()
+
+    def _release_held(self) -> None:
+        """Free the held slot once the saver answers and has persisted it (memory back to ``slots``
+        copies); a held snapshot newer than every other slot's stays until a newer save."""
+        index = len(self.slot_paths)
+        slot = self._slots[index]
+        if slot is None and not os.path.exists(self._held_path):
+            return
+        if not self._client.connected or self._busy(index):
+            return
+        slot = self._slot(index)
+        newest = self._newest_index()
+        if slot is not None and newest == index:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self._held_path)
+        if slot is not None:
+            slot.close()
+        self._slots[index], self._persisting[index] = None, None
+        self._record_slot_paths()
+
+    def _path(self, index: int) -> str:
+        return self.slot_paths[index] if index < len(self.slot_paths) else self._held_path
 
     def _busy(self, index: int) -> bool:
         pending = self._persisting[index]
@@ -523,7 +618,7 @@ class Checkpointer(LoadPath):
             slot.close()
             slot = self._slots[index] = None
         if slot is None:
-            slot = self._slots[index] = Slot.attach(self.slot_paths[index])
+            slot = self._slots[index] = Slot.attach(self._path(index))
         return slot
 
     def _prepare_slot(self, index: int, nbytes: int, pin: int | None) -> None:
@@ -545,10 +640,10 @@ class Checkpointer(LoadPath):
         slot = self._slot(index)
         size_before = slot.size if slot is not None else 0
         if slot is None:
-            slot = self._slots[index] = Slot.create_or_open(self.slot_paths[index], nbytes, populate=populate)
+            slot = self._slots[index] = Slot.create_or_open(self._path(index), nbytes, populate=populate)
         else:
             slot.ensure_size(nbytes)
-        if slot.size != size_before:
+        if slot.size != size_before and index < len(self.slot_paths):
             self._requester.submit(self._announce_slot, slot.path)
         if pin is not None and self.config.pin_memory and slot.needs_pin:
             if wait_pin:
@@ -614,6 +709,7 @@ class Checkpointer(LoadPath):
         self._background.shutdown(wait=True)  # a queued purge (retention after a direct commit) still runs
         self._copier.shutdown(wait=True)
         self._requester.shutdown(wait=True)
+        self._lineage_writer.shutdown(wait=True)
         self._replicas.close()
         self._client.close(clean=clean)
         for slot in self._slots:

@@ -146,11 +146,13 @@ def view_of(storage: Storage, tag: Mapping[str, Any] | None) -> View:
     return View(tag.get("dir"), number, caps)
 
 
-def begin(storage: Storage, parent: Mapping[str, Any] | None, fork_step: int | None) -> tuple[View, dict[str, Any]]:
+def begin(storage: Storage, parent: Mapping[str, Any] | None, fork_step: int | None, *,
+          record_fresh: bool = True) -> tuple[View, dict[str, Any]]:
     """Open a new attempt (rank 0): resumed from ``parent``'s tag at ``fork_step``, or from scratch.
 
     Returns its view and its record. A fresh start is recorded at once (from now on, what came
-    before is abandoned, even if this attempt never saves); a resume only reserves the next
+    before is abandoned, even if this attempt never saves), unless ``record_fresh`` is false (the
+    first save opens it and records it while it copies); a resume only reserves the next
     number, and :func:`publish` records it with the attempt's first save: an attempt that
     resumes and never saves (a crash right away, a script that only inspects) changes nothing.
     """
@@ -166,7 +168,7 @@ def begin(storage: Storage, parent: Mapping[str, Any] | None, fork_step: int | N
     }
     records = read_records(storage)
     record["lineage"] = max(records, default=LEGACY) + 1
-    if parent_lineage is None:
+    if parent_lineage is None and record_fresh:
         record = publish(storage, record)
     records[record["lineage"]] = record
     return View(dir_id, record["lineage"], _chain(records, record["lineage"])), record

@@ -73,13 +73,16 @@ class LoadPath:
                     f"step {resumed_step} is not committed in {self.url}; committed: {self.committed_steps()}")
         self._begin(parent, resumed_step)
 
-    def _begin(self, parent: Mapping[str, Any] | None, fork_step: int | None) -> None:
-        """Record this attempt's lineage (rank 0) and share its view with every rank."""
+    def _begin(self, parent: Mapping[str, Any] | None, fork_step: int | None, *, by_save: bool = False) -> None:
+        """Record this attempt's lineage (rank 0) and share its view with every rank.
+
+        ``by_save``: the first save opens the attempt; its record is written while that save
+        copies (the save seals its slot only once the record is on storage)."""
         if self._world_agrees():
             view = None
             if self.rank == 0:
-                view, record = lineage.begin(self.storage, parent, fork_step)
-                self._unpublished = record if parent is not None else None
+                view, record = lineage.begin(self.storage, parent, fork_step, record_fresh=not by_save)
+                self._unpublished = record if parent is not None or by_save else None
             view_dict = collectives.all_gather_object(view.to_dict() if view is not None else None,
                                                       self.world_size, self.process_group)[0]
             view = lineage.View.from_dict(view_dict)
@@ -90,8 +93,7 @@ class LoadPath:
         logger.debug("[RANK %d] attempt lineage %s (resumed %s at %s)", self.rank, view.lineage,
                      parent and parent.get("lineage"), fork_step)
 
-    def _publish_attempt(self) -> None:
-        record, self._unpublished = self._unpublished, None
+    def _publish_attempt(self, record: dict[str, Any]) -> None:
         published = lineage.publish(self.storage, record)
         if published["lineage"] != record["lineage"]:
             logger.error("[RANK %d] another job started attempt %d in %s at the same time; this job's snapshots "

@@ -400,6 +400,9 @@ class Saver:
                 slot.mark_persist_done(seq)
         finally:
             slot.unlock()
+            if request.get("held"):  # the trainer's extra slot from before the saver was up: it goes soon
+                self.slots.pop(request["slot"], None)
+                slot.close()
         total = sum(e["size"] for e in entries)
         elapsed = time.monotonic() - started
         logger.info("rank %d step %d persisted: %d files, %.1f MiB in %.2fs", rank, step, len(entries),

@@ -216,7 +216,8 @@ def test_ls_of_a_missing_directory_points_at_the_memory_left_behind(make_checkpo
 
     ckpt = tmp_path / "ckpt"
     ck = make_checkpointer(ckpt)
-    ck.save(1, {"w": torch.ones(10)}, persist=False)
+    for step in (1, 2):  # both slots hold a snapshot (the second is not only made in the background)
+        ck.save(step, {"w": torch.ones(10)}, persist=False)
     shutil.rmtree(ckpt)
     done = flashckpt("ls", str(ckpt))
     assert done.returncode == 2 and "does not exist" in done.stderr

@@ -141,6 +141,7 @@ def test_memory_save_right_after_a_persisting_save_loses_nothing(make_checkpoint
 def test_third_save_while_both_slots_persist_is_skipped_with_a_reason(make_checkpointer, monkeypatch):
     monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "2")
     ck = make_checkpointer(storage_factory="tests.helpers:SlowStorage", on_slot_busy="skip")
+    ck._client.connect()  # the saver is up: before it answers, a third save would go to the held slot
     a = ck.save(1, expected(1))
     b = ck.save(2, expected(2))
     c = ck.save(3, expected(3))
@@ -153,6 +154,7 @@ def test_third_save_while_both_slots_persist_is_skipped_with_a_reason(make_check
 def test_third_save_waits_for_a_slot_by_default(make_checkpointer, monkeypatch):
     monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "1")
     ck = make_checkpointer(storage_factory="tests.helpers:SlowStorage")
+    ck._client.connect()  # the saver is up: slow storage, not its start, is what holds both slots
     results = [ck.save(s, expected(s)) for s in (1, 2, 3)]
     assert all(r.status is SaveStatus.PERSISTING for r in results)
     assert results[2].blocking_s > 0.5
