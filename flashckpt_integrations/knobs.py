@@ -21,6 +21,9 @@ SAVER_NICE = "FLASHCKPT_SAVER_NICE"
 DIRECT_IO = "FLASHCKPT_DIRECT_IO"
 """``0``: local storage writes through the page cache (default: ``O_DIRECT`` where the file system
 takes it, see ``core/storage.py``)."""
+WARM_START = "FLASHCKPT_WARM_START"
+"""``0``: ``flashckpt-run`` starts every worker as a new interpreter (default: forked from a
+process that has imported torch, see ``launcher/warm_start.py``)."""
 FAULT = "FLASHCKPT_FAULT"
 """Fault injection (tests only): ``point[@n][,point[@n]...]`` SIGKILLs the process the n-th time
 (default: the first) it reaches ``point``; see ``flashckpt_integrations/_utils/faults.py``."""

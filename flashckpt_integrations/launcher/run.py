@@ -64,7 +64,7 @@ from ..core.client import SaverClient, job_id_for, job_key, run_dir_for
 from ..core.protocol import LOG_NAME
 from ..core.rescue import RescueStatus, in_flight, job_slots, persist_newest
 from ..errors import FlashCkptError, NodeCheckError
-from . import node_failure, topology
+from . import node_failure, topology, warm_start
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ _OWN_OPTIONS = {  # flag -> takes a value; removed from the argv handed to --aut
     "--checkpoint-dir": True, "--job-id": True, "--auto-config": False, "--node-check": False,
     "--node-check-timeout": True, "--node-check-report": True, "--commit-timeout": True, "--drain-timeout": True,
     "--node-name": True, "--topology-switch": True, "--topology-file": True, "--topology-key": True,
-    "--node-failure-handler": True, "--node-failure-threshold": True,
+    "--node-failure-handler": True, "--node-failure-threshold": True, "--no-warm-start": False,
+    "--warm-start-preload": True,
 }
 
 
@@ -128,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "other nodes' files")
     group.add_argument("--drain-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="how long to wait for in-flight persisting before exiting")
+    group.add_argument("--no-warm-start", action="store_true",
+                       help="start every worker as a new interpreter (default: workers, restarted ones included, are "
+                       "forked from a process that imported torch, this package and --warm-start-preload once at "
+                       f"launch; ${knobs.WARM_START}=0 turns it off too)")
+    group.add_argument("--warm-start-preload", default="", metavar="MODULES",
+                       help="comma-separated modules that process imports besides torch and this package (e.g. "
+                       "transformers), so that restarted workers do not import them again")
     _add_cluster_options(group)
     parser._action_groups.sort(key=lambda g: g.title != OWN_GROUP)  # stable: then torchrun's, as they were
     return parser
@@ -401,10 +409,11 @@ class FlashElasticAgent(LocalElasticAgent):
     """torch elastic's local agent, with the node's care run around worker starts and failures."""
 
     def __init__(self, *args: Any, care: NodeCare, monitor: node_failure.NodeFailureMonitor | None = None,
-                 **kwargs: Any) -> None:
+                 warm: warm_start.WarmStart | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._care = care
         self._monitor = monitor
+        self._warm = warm
         self.node_failure: node_failure.NodeFailure | None = None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -412,7 +421,10 @@ class FlashElasticAgent(LocalElasticAgent):
         order = getattr(worker_group.spec.rdzv_handler, "last_order", None)
         if order is not None:
             _say(f"node ranks by switch, {order}")
-        return super()._start_workers(worker_group)
+        if self._warm is None:
+            return super()._start_workers(worker_group)
+        with self._warm.installed():  # forked from the warm template where the command allows it
+            return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -438,7 +450,7 @@ def _accepted(callable_: Any, values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: NodeCare,
-           monitor: node_failure.NodeFailureMonitor | None = None) -> int:
+           monitor: node_failure.NodeFailureMonitor | None = None, warm: warm_start.WarmStart | None = None) -> int:
     """Run the workers under the agent (as ``torch.distributed.launcher.api.launch_agent`` does)."""
     config.run_id = config.run_id or str(uuid.uuid4().int)
     rdzv_parameters = RendezvousParameters(
@@ -452,7 +464,8 @@ def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: Nod
                   rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
                   master_addr=master_addr, master_port=master_port)
     spec = WorkerSpec(**_accepted(WorkerSpec, values))
-    agent = FlashElasticAgent(care=care, monitor=monitor, **_accepted(LocalElasticAgent, {**values, "spec": spec}))
+    agent = FlashElasticAgent(care=care, monitor=monitor, warm=warm,
+                              **_accepted(LocalElasticAgent, {**values, "spec": spec}))
     shutdown_rdzv = True
     try:
         result = agent.run()
@@ -544,7 +557,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(_restart_notice(config.max_restarts))
     care = NodeCare(args.checkpoint_dir, args.job_id, commit_timeout=args.commit_timeout,
                     drain_timeout=args.drain_timeout)
-    return launch(config, entrypoint, cmd_args, care, monitor)
+    warm = None
+    if not args.no_warm_start and knobs.get(knobs.WARM_START, "1") != "0":
+        extra = [m.strip() for m in args.warm_start_preload.split(",") if m.strip()]
+        warm = warm_start.WarmStart.launch((*warm_start.DEFAULT_PRELOAD, *extra))
+    try:
+        return launch(config, entrypoint, cmd_args, care, monitor, warm)
+    finally:
+        if warm is not None:
+            warm.close()
 
 
 if __name__ == "__main__":

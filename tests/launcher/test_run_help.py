@@ -8,7 +8,8 @@ from flashckpt_integrations.launcher import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OWN = ["--checkpoint-dir", "--job-id", "--auto-config", "--node-check", "--node-check-timeout",
-       "--node-check-report", "--commit-timeout", "--drain-timeout", "--node-name", "--topology-switch",
+       "--node-check-report", "--commit-timeout", "--drain-timeout", "--no-warm-start", "--warm-start-preload",
+       "--node-name", "--topology-switch",
        "--topology-file", "--topology-key", "--node-failure-handler", "--node-failure-threshold"]
 
 
