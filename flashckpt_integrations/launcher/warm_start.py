@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "flashckpt_integrations")
 READY_TIMEOUT_S = 120.0
+_CMDLINE_ROOM = 4096
 
 
 class _ForkedProcess:
@@ -106,7 +107,8 @@ class WarmStart:
             req_r, req_w = os.pipe()
             st_r, st_w = os.pipe()
             proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", __name__, str(req_r), str(st_w), ",".join(preload)],  # -u: as workers
+                # -u: as workers; the padding is room for each worker's command line (see _show_command)
+                [sys.executable, "-u", "-m", __name__, str(req_r), str(st_w), ",".join(preload), " " * _CMDLINE_ROOM],
                 pass_fds=(req_r, st_w), stdin=subprocess.DEVNULL, start_new_session=True,
             )
         except OSError as exc:
@@ -147,7 +149,8 @@ class WarmStart:
         target = _python_target(entrypoint, args)
         if target is None or not self.wait_ready():
             return None
-        request = {"target": target, "env": env, "cwd": os.getcwd(), "stdout": stdout, "stderr": stderr}
+        request = {"target": target, "command": [entrypoint, *map(str, args)], "env": env, "cwd": os.getcwd(),
+                   "stdout": stdout, "stderr": stderr}
         with self._lock:
             if self._gone:
                 return None
@@ -326,6 +329,7 @@ def _become_worker(request: dict[str, Any], inherited: Sequence[int]) -> None:
                 out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 os.dup2(out, fd)
                 os.close(out)
+        _show_command(request["command"])
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -343,6 +347,21 @@ def _become_worker(request: dict[str, Any], inherited: Sequence[int]) -> None:
     finally:
         code = _finalize(code)
         os._exit(code)
+
+
+def _show_command(command: Sequence[str]) -> None:
+    """Make ``/proc/<pid>/cmdline`` (``ps``, ``pgrep -f``) show the worker's command, not the
+    template's: it is rewritten in place, in the template's argument area (padded for it)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5) fields 48, 49)
+        data = "\0".join(command).encode()[: end - start - 1]
+        ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
+    except (OSError, ValueError, IndexError):
+        pass  # only what ps shows
 
 
 def _run(target: dict[str, Any]) -> int:
@@ -397,7 +416,7 @@ def _finalize(code: int) -> int:
 
 def _main(argv: Sequence[str]) -> int:
     request_fd, status_fd = int(argv[0]), int(argv[1])
-    preload = [m for m in (argv[2] if len(argv) > 2 else "").split(",") if m]
+    preload = [m for m in (argv[2] if len(argv) > 2 else "").split(",") if m.strip()]
     return _template(request_fd, status_fd, preload)
 
 

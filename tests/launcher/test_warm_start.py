@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent("""
     with open(os.path.join(sys.argv[1], f"r{rank}-{restart}.json"), "w") as f:
         json.dump({"preloaded": preloaded, "sum": x.item(), "argv": sys.argv[2:], "name": __name__,
                    "rank_env": os.environ["RANK"], "threads": torch.get_num_threads(),
-                   "pgid_is_pid": os.getpgid(0) == os.getpid(), "path0": sys.path[0]}, f)
+                   "pgid_is_pid": os.getpgid(0) == os.getpid(), "path0": sys.path[0],
+                   "cmdline": open("/proc/self/cmdline", "rb").read().decode().rstrip("\\0").split("\\0")}, f)
     dist.destroy_process_group()
     if restart == 0 and rank == 1:
         raise RuntimeError("boom from rank one")
@@ -61,6 +62,8 @@ def test_workers_and_restarts_are_forked_warm_and_behave_as_fresh_interpreters(t
         assert run["sum"] == 3.0 and run["argv"] == ["x", "y"] and run["name"] == "__main__"
         assert run["rank_env"] == name[1] and run["threads"] == 1 and run["pgid_is_pid"]
         assert run["path0"] == str(script.parent)
+        # what ps shows: the worker's command, not the template's
+        assert run["cmdline"][1:] == ["-u", str(script), *run["cmdline"][3:4], "x", "y"], run["cmdline"]
     assert "boom from rank one" in done.stderr, done.stderr[-3000:]  # the failed rank's traceback
 
     done, runs, _ = _launch(tmp_path, "--no-warm-start")
