@@ -112,6 +112,7 @@ class Checkpointer(LoadPath):
         self._recording: Future | None = None  # that write, while the first save copies
         self._saves_of: dict[int, int] = {}
         self._pickles = PickleCache()
+        self._slots[-1] = Slot.attach(self._held_path)  # a held slot an earlier process left (else None)
         self._seq = self._newest_seq() + 1
         self._record_slot_paths()
         self._requester = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-request")
@@ -486,7 +487,7 @@ class Checkpointer(LoadPath):
             try:
                 private_dir(self.run_dir)
                 with open(path + ".tmp", "w") as f:
-                    held = [self._held_path] if self._slots[-1] is not None or os.path.exists(self._held_path) else []
+                    held = [self._held_path] if self._slots[-1] is not None else []
                     json.dump({"rank": self.rank, "slots": self.slot_paths + held}, f)
                 os.replace(path + ".tmp", path)
                 return
@@ -583,19 +584,14 @@ class Checkpointer(LoadPath):
         """Free the held slot once the saver answers and has persisted it (memory back to ``slots``
         copies); a held snapshot newer than every other slot's stays until a newer save."""
         index = len(self.slot_paths)
-        slot = self._slots[index]
-        if slot is None and not os.path.exists(self._held_path):
-            return
-        if not self._client.connected or self._busy(index):
+        if self._slots[index] is None or not self._client.connected or self._busy(index):
             return
         slot = self._slot(index)
-        newest = self._newest_index()
-        if slot is not None and newest == index:
+        if slot is None or self._newest_index() == index:
             return
         with contextlib.suppress(OSError):
             os.unlink(self._held_path)
-        if slot is not None:
-            slot.close()
+        slot.close()
         self._slots[index], self._persisting[index] = None, None
         self._record_slot_paths()
 
@@ -617,8 +613,8 @@ class Checkpointer(LoadPath):
                            "its snapshot is gone", self.rank, slot.path)
             slot.close()
             slot = self._slots[index] = None
-        if slot is None:
-            slot = self._slots[index] = Slot.attach(self._path(index))
+        if slot is None and index < len(self.slot_paths):  # the held slot is mapped only by the code
+            slot = self._slots[index] = Slot.attach(self.slot_paths[index])  # that makes it (or __init__)
         return slot
 
     def _prepare_slot(self, index: int, nbytes: int, pin: int | None) -> None:

@@ -558,7 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     care = NodeCare(args.checkpoint_dir, args.job_id, commit_timeout=args.commit_timeout,
                     drain_timeout=args.drain_timeout)
     warm = None
-    if not args.no_warm_start and knobs.get(knobs.WARM_START, "1") != "0":
+    if (not args.no_warm_start and knobs.get(knobs.WARM_START, "1") != "0"
+            and warm_start.python_target(entrypoint, cmd_args) is not None):  # else no worker could use it
         extra = [m.strip() for m in args.warm_start_preload.split(",") if m.strip()]
         warm = warm_start.WarmStart.launch((*warm_start.DEFAULT_PRELOAD, *extra))
     try:

@@ -146,7 +146,7 @@ class WarmStart:
               stdout: str | None, stderr: str | None) -> _ForkedProcess | None:
         """Fork a worker for ``entrypoint args`` (torchrun's command shape), or ``None``: start it
         the usual way (another command, or no template)."""
-        target = _python_target(entrypoint, args)
+        target = python_target(entrypoint, args)
         if target is None or not self.wait_ready():
             return None
         request = {"target": target, "command": [entrypoint, *map(str, args)], "env": env, "cwd": os.getcwd(),
@@ -221,7 +221,7 @@ class WarmStart:
             api.get_subprocess_handler = original
 
 
-def _python_target(entrypoint: str, args: Sequence[str]) -> dict[str, Any] | None:
+def python_target(entrypoint: str, args: Sequence[str]) -> dict[str, Any] | None:
     """``{"script"|"module", "argv"}`` for ``python -u [-m] target args``; else ``None``."""
     try:
         same = os.path.samefile(entrypoint, sys.executable)
@@ -365,25 +365,18 @@ def _show_command(command: Sequence[str]) -> None:
 
 
 def _run(target: dict[str, Any]) -> int:
+    """Run the script or module as ``__main__`` (its exceptions go to :func:`_become_worker`)."""
     import runpy
 
-    try:
-        if "module" in target:
-            sys.argv = [target["module"], *target["argv"]]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(target["module"], run_name="__main__", alter_sys=True)
-        else:
-            script = target["script"]
-            sys.argv = [script, *target["argv"]]
-            sys.path[0] = os.path.dirname(script)
-            runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        return _exit_code(exc)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        return 1
+    if "module" in target:
+        sys.argv = [target["module"], *target["argv"]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target["module"], run_name="__main__", alter_sys=True)
+    else:
+        script = target["script"]
+        sys.argv = [script, *target["argv"]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
     return 0
 
 
