@@ -45,6 +45,9 @@ from its own ranks' snapshots (see ``core/replica_reuse.py``; default on)."""
 REPLICA_DUTY = "FLASHCKPT_REPLICA_DUTY"
 """The share of the time a saver's copies to one peer may take, in (0, 1] (default 0.1): after a
 copy of ``d`` seconds the next waits ``d * (1 / duty - 1)``; 1 copies back to back."""
+REPLICA_ROUNDS = "FLASHCKPT_REPLICA_ROUNDS"
+"""``0``: each saver copies the newest snapshot of each of its ranks on its own, with no step kept
+in common (see ``core/replica_rounds.py``; default on: job-wide rounds led by node 0's saver)."""
 NODE_CHECK_PLUGINS = "FLASHCKPT_NODE_CHECK_PLUGINS"
 """Comma-separated modules the node check imports before it picks a check (they call
 ``register_node_check``; the last registered available check wins). Tests use it to make a rank slow."""

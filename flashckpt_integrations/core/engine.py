@@ -110,6 +110,7 @@ class Checkpointer(LoadPath):
         self._unpublished: dict[str, Any] | None = None  # the attempt's record, written at its first save
         self._lineage_writer = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-lineage")
         self._recording: Future | None = None  # that write, while the first save copies
+        self._sealing: Future | None = None  # a first save's seal, once that write is done (its error or None)
         self._saves_of: dict[int, int] = {}
         self._pickles = PickleCache()
         self._slots[-1] = Slot.attach(self._held_path)  # a held slot an earlier process left (else None)
@@ -135,11 +136,11 @@ class Checkpointer(LoadPath):
     def _before_optimizer_step(self) -> None:
         snapshot, copy = self._snapshot, self._snapshot_copy
         if snapshot is None or snapshot.done() or copy is None:
-            self.wait_for_snapshot()
+            self._wait_copy()  # not for a seal still waiting on the attempt's record: the copy is done
             return
         copy.issued.wait()
         if not devices.wait_on_current_streams(copy):
-            self.wait_for_snapshot()
+            self._wait_copy()
 
     def prepare(
         self,
@@ -267,9 +268,10 @@ class Checkpointer(LoadPath):
                 self._snapshot = self._copier.submit(self._complete_overlapped, result, *args, copy)
                 result._snapshot = self._snapshot
             else:
-                error = self._complete(*args, copy)
+                error = self._complete(*args, copy, result=result)
                 if error is not None:
                     result.status, result.reason = SaveStatus.FAILED, error
+                result._snapshot = self._sealing
         return result
 
     def _complete_overlapped(self, result: SaveResult, *args: Any) -> str | None:
@@ -290,7 +292,8 @@ class Checkpointer(LoadPath):
             "wait_for_snapshot() before changing the state. (Said once per Checkpointer.)", self.rank)
 
     def wait_for_snapshot(self) -> str | None:
-        """Block until an overlapped snapshot copy has finished.
+        """Block until an overlapped snapshot copy has finished (and a first save's seal, which
+        waits for the attempt's record to be on storage).
 
         Returns ``None`` when it succeeded (or there was none), else the reason it failed. A
         failed overlapped copy never raises here (the optimizer's pre-hook calls this: a failed
@@ -300,6 +303,10 @@ class Checkpointer(LoadPath):
         invalidated, so ``load()`` uses the previous snapshot or commit. Until the copy is done
         an overlapped save's ``status`` is provisional: read it after ``wait()`` or this.
         """
+        error = self._wait_copy()
+        return self._wait_sealed() or error
+
+    def _wait_copy(self) -> str | None:
         snapshot = self._snapshot
         if snapshot is None:
             return None
@@ -307,6 +314,23 @@ class Checkpointer(LoadPath):
         if self._snapshot is snapshot:
             self._snapshot = None
             self._snapshot_copy = None
+        return error
+
+    def _settle(self) -> None:
+        """Wait for an overlapped copy and a pending seal, leaving their outcome to be reported
+        (helper threads: the caller's :meth:`wait_for_snapshot` still returns a failure)."""
+        for pending in (self._snapshot, self._sealing):
+            if pending is not None:
+                pending.result()
+
+    def _wait_sealed(self) -> str | None:
+        """Wait for a first save whose seal waits on the attempt's record (its error, or None)."""
+        sealing = self._sealing
+        if sealing is None:
+            return None
+        error = sealing.result()
+        if self._sealing is sealing:
+            self._sealing = None
         return error
 
     def wait(self, timeout: float | None = None) -> PersistResult | None:
@@ -366,11 +390,15 @@ class Checkpointer(LoadPath):
     def _complete(
         self, index: int, slot: Slot, plan: Any, step: int, seq: int, sid: str, meta_offset: int, raw_meta: bytes,
         durable: Future | None, front: _CopyFront | None, copy: devices.DeviceCopy | None,
+        result: SaveResult | None = None,
     ) -> str | None:
         """Copy the tensors, seal the slot, hand it to the saver. Returns an error or None.
 
         With ``stream_persist``, a host-memory snapshot that is to be persisted is handed to the
         saver before the copy starts: the saver streams each region as soon as it is in place.
+        A save made on the caller's thread (``result``) whose attempt record is still being
+        written returns once copied; the record's writer seals it afterwards (:meth:`_seal`),
+        and whatever reads or reuses the slots waits for that first (:meth:`_wait_sealed`).
         """
         stream = self.config.stream_persist and durable is not None and not on_device(plan)
         try:
@@ -386,23 +414,56 @@ class Checkpointer(LoadPath):
                     if front is not None:
                         front.finish()
             devices.finish_copy(copy)  # sleeps on the done events (no spinning, no device-wide sync)
-            self._wait_recorded()
+        except Exception as exc:
+            devices.drain(copy)  # copies already issued land before the slot can be reused
+            return self._failed(slot, step, durable, stream, exc)
+        args = (index, slot, step, seq, sid, durable, stream)
+        recording, self._recording = self._recording, None
+        if result is not None and not stream and recording is not None and not recording.done():
+            # on the request thread, queued now (an interpreter that exits meanwhile still runs it),
+            # in order before any later save's request
+            self._sealing = self._requester.submit(self._seal_after, result, recording, *args)
+            return None
+        return self._seal(recording, *args)
+
+    def _seal_after(self, result: SaveResult, *args: Any) -> str | None:
+        """Seal a first save once its attempt's record is on storage; a failure turns it FAILED."""
+        error = self._seal(*args, inline=True)
+        if error is not None:
+            result.status, result.reason = SaveStatus.FAILED, error
+        return error
+
+    def _seal(
+        self, recording: Future | None, index: int, slot: Slot, step: int, seq: int, sid: str,
+        durable: Future | None, stream: bool, *, inline: bool = False,
+    ) -> str | None:
+        """Seal a copied slot once the attempt's record (``recording``) is on storage: a snapshot
+        is usable only then, else a restart could not tell which attempt took it. Then hand it
+        to the saver and peers."""
+        try:
+            if recording is not None:
+                recording.result()
             slot.seal()
             fault_point("trainer.sealed")  # sealed, the saver not yet asked
         except Exception as exc:
-            devices.drain(copy)  # copies already issued land before the slot can be reused
-            slot.invalidate()  # a streaming persist sees this and fails, never publishing the step
-            error = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"
-            logger.error("[RANK %d] %s", self.rank, error)
-            if durable is not None and not stream:
-                durable.set_result({"ok": False, "error": error})
-            return error
+            return self._failed(slot, step, durable, stream, exc)
         if index < len(self.slot_paths):  # a held slot lives only until its persist: never replicated
             self._replicas.sealed(slot.path, step, seq)  # peers copy it in the background
         if durable is not None and not stream:
             self._persisting[index] = durable
-            self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
+            if inline:  # already on the request thread
+                self._request_persist(slot, step, seq, sid, durable)
+            else:
+                self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
         return None
+
+    def _failed(self, slot: Slot, step: int, durable: Future | None, stream: bool, exc: Exception) -> str:
+        slot.invalidate()  # a streaming persist sees this and fails, never publishing the step
+        error = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"
+        logger.error("[RANK %d] %s", self.rank, error)
+        if durable is not None and not stream:
+            durable.set_result({"ok": False, "error": error})
+        return error
 
     def _record_attempt(self, record: dict[str, Any]) -> None:
         try:
@@ -572,7 +633,7 @@ class Checkpointer(LoadPath):
         with self._lock:
             if self._closed or self._slots[-1] is not None or not self._may_hold(nbytes):
                 return
-            self.wait_for_snapshot()
+            self._settle()
             try:
                 self._ensure_slot(len(self.slot_paths), nbytes, pin=pin)
             except SharedMemoryError as exc:  # a save that would need it waits for a slot instead
@@ -622,7 +683,7 @@ class Checkpointer(LoadPath):
         with self._lock:
             if self._closed or self._slots[index] is not None or self._busy(index):
                 return
-            self.wait_for_snapshot()
+            self._settle()
             try:
                 self._ensure_slot(index, nbytes, pin=pin)
             except SharedMemoryError as exc:  # the save that needs it reports it

@@ -229,6 +229,7 @@ class LoadPath:
 
     def _memory_snapshots(self) -> dict[int, tuple[Slot, dict[str, Any]]]:
         """Complete, checksum-verified snapshots of this rank, by step (newest seq wins)."""
+        self._wait_sealed()  # a first save returned before its seal: it is listed once sealed
         found: dict[int, tuple[int, Slot, dict[str, Any]]] = {}
         for index in range(len(self._slots)):
             try:

@@ -21,6 +21,7 @@ order, from the :class:`~flashckpt_integrations.Checkpointer`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -90,8 +91,9 @@ class ReplicaHook:
     def sealed(self, path: str, step: int, seq: int) -> None:
         """Offer a sealed snapshot to the peers (returns at once)."""
         if self._notify is not None:
-            self._notify.submit(self._send, {"op": "replica_push", "rank": self.ck.rank, "slot": path,
-                                             "step": step, "seq": seq})
+            with contextlib.suppress(RuntimeError):  # the interpreter is exiting: no more offers
+                self._notify.submit(self._send, {"op": "replica_push", "rank": self.ck.rank, "slot": path,
+                                                 "step": step, "seq": seq})
 
     def restored(self, slot: Slot) -> None:
         header = slot.read_header() if self.enabled else None

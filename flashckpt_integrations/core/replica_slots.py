@@ -169,8 +169,16 @@ class ReplicaStore:
             ranks = sorted(replica_paths(self.shm_dir, self.job))
             return [info.to_dict() for rank in ranks for info in self._infos(rank) if info is not None]
 
-    def begin(self, rank: int, step: int, seq: int, meta_crc: int, nbytes: int) -> Slot:
-        """The slot to copy rank ``rank``'s snapshot into, sized and marked as being written."""
+    def held(self, rank: int) -> list[ReplicaInfo]:
+        """The complete replicas of rank ``rank``."""
+        with self._lock:
+            return [info for info in self._infos(rank) if info is not None]
+
+    def begin(self, rank: int, step: int, seq: int, meta_crc: int, nbytes: int, *, keep: int | None = None) -> Slot:
+        """The slot to copy rank ``rank``'s snapshot into, sized and marked as being written.
+
+        ``keep``: the job's kept step (:mod:`.replica_rounds`); its replica is never the one
+        overwritten, even when it is the newer of the two."""
         with self._lock:
             if rank in self._writing:
                 raise ReplicaSkipped(f"a replica of rank {rank} is being received already")
@@ -180,7 +188,11 @@ class ReplicaStore:
                     raise ReplicaSkipped("held")
             complete = [i for i in infos if i is not None]
             newest = max(complete, key=lambda i: i.generation).index if complete else None
-            order = [k for k in range(REPLICAS_PER_RANK) if k != newest] or [0]
+            kept = {i.index for i in complete if keep is not None and i.step == keep}
+            order = [k for k in range(REPLICAS_PER_RANK) if k != newest and k not in kept]
+            order += [k for k in range(REPLICAS_PER_RANK) if k == newest and k not in kept]
+            if not order:
+                raise ReplicaSkipped(f"every replica slot of rank {rank} holds the kept step {keep}")
             path = replica_path(self.shm_dir, self.job, rank, order[0])
             if self._readers.get(path):
                 raise ReplicaSkipped(f"the older replica of rank {rank} is being read by a restore")
@@ -232,6 +244,34 @@ class ReplicaStore:
         slot.unlock()
         with self._lock:
             self._writing.discard(rank)
+
+    def copy_local(self, rank: int, source: Slot, header: SlotHeader, from_node: int, *,
+                   keep: int | None = None) -> bool:
+        """Copy this node's own snapshot ``header`` of rank ``rank`` from its slot ``source`` into
+        the store (a replica of the node's own rank, kept for the job's round). False when the
+        slot took a newer save while it was read (the copy is dropped)."""
+        head = head_of(header)
+        try:
+            slot = self.begin(rank, header.step, header.seq, header.meta_crc, head["nbytes"], keep=keep)
+        except ReplicaSkipped as exc:
+            if str(exc) == "held":
+                return True
+            raise
+        try:
+            crc = 0
+            for offset, n in chunks(HEADER_SIZE, head["nbytes"]):
+                with source.memoryview(offset, n) as src, slot.memoryview(offset, n) as dst:
+                    dst[:] = src
+                    crc = zlib.crc32(dst, crc)
+            intact = same_snapshot(header, source.read_header())
+        except BaseException:
+            self.abandon(slot, rank)
+            raise
+        if not intact:
+            self.abandon(slot, rank)
+            return False
+        self.publish(slot, rank, head, crc, from_node)
+        return True
 
     def abandon(self, slot: Slot, rank: int) -> None:
         slot.invalidate()

@@ -42,7 +42,7 @@ from typing import Any
 
 from .. import knobs
 from ..errors import CorruptCheckpointError
-from . import peers, replica_reuse
+from . import peers, replica_reuse, replica_rounds
 from .peers import Channel, PeerAuthError, PeerRecord
 from .replica_slots import (
     ReplicaSkipped,
@@ -112,6 +112,7 @@ class Replication:
         self._survey_lock = threading.Lock()
         self._status: dict[str, Any] = {"sent": {}}
         self._local_crcs = replica_reuse.LocalCrcs()
+        self.rounds: replica_rounds.Rounds | None = None
         self._status_lock = threading.Lock()
         self._closed = False
 
@@ -159,6 +160,9 @@ class Replication:
                 self._listener.close()
             return
         threading.Thread(target=self._accept_loop, name="replica-listen", daemon=True).start()
+        if replica_rounds.enabled():
+            self.rounds = replica_rounds.Rounds(self)
+            self.rounds.start()
         targets = self.targets()
         logger.info("replication on: node %d of %d listens on %s; its ranks' snapshots go to node(s) %s",
                     settings.node_rank, settings.nnodes, self._record.address, targets or "none")
@@ -180,6 +184,8 @@ class Replication:
             senders, self._senders = list(self._senders.values()), {}
         for sender in senders:
             sender.stop()
+        if self.rounds is not None:
+            self.rounds.close()
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -224,7 +230,7 @@ class Replication:
         """Queue rank ``note["rank"]``'s sealed slot for every peer (a newer one replaces it)."""
         note = {k: note[k] for k in ("rank", "slot", "step", "seq")}
         with self._lock:
-            if self._closed:
+            if self._closed or self.rounds is not None:  # rounds copy what they keep themselves
                 return
             for node in self.targets():
                 sender = self._senders.get(node)
@@ -306,6 +312,8 @@ class Replication:
                         channel.send({"ok": True, "replicas": self.store.inventory(), "local": self.local_inventory()})
                     elif op == "fetch":
                         self._serve_fetch(channel, message)
+                    elif op in replica_rounds.OPS and self.rounds is not None:
+                        channel.send(self.rounds.handle(message))
                     else:
                         channel.send({"ok": False, "error": f"unknown op {op!r}"})
         except (ConnectionError, OSError, ValueError) as exc:
@@ -317,7 +325,8 @@ class Replication:
         try:
             rank = int(head["rank"])
             step, seq, nbytes = check_head(head)
-            slot = self.store.begin(rank, step, seq, int(head["meta_crc"]), nbytes)
+            kept = self.rounds.kept if self.rounds is not None else None
+            slot = self.store.begin(rank, step, seq, int(head["meta_crc"]), nbytes, keep=kept)
         except ReplicaSkipped as exc:
             if str(exc) != "held":
                 logger.warning("the replica of rank %s step %s from node %d is skipped: %s", head.get("rank"),
@@ -572,46 +581,59 @@ class _Sender:
             channel.close()
 
     def _push(self, note: dict[str, Any]) -> None:
-        rank, step, seq = int(note["rank"]), int(note["step"]), int(note["seq"])
         slot = self._source(note["slot"])
-        header = slot.read_header() if slot is not None else None
-        if header is None or header.state is not SlotState.COMPLETE or (header.step, header.seq) != (step, seq):
-            return  # the slot took a newer save meanwhile: that one is offered too
-        head = head_of(header)
-        if head["nbytes"] > slot.size:
-            raise CorruptCheckpointError(f"slot {slot.path} is smaller than its snapshot says")
-        started = time.monotonic()
-        channel = self._connect()
-        channel.send({"op": "push", "rank": rank, **head})
-        answer = channel.recv()
-        if not answer.get("accept"):
-            if answer.get("reason") != "held":
-                logger.warning("node %d skipped the replica of rank %d step %d: %s", self.node, rank, step,
-                               answer.get("reason"))
-                self.owner.report(self.node, note, ok=False, reason=f"skipped: {answer.get('reason')}")
+        if slot is None or push_copy(self.owner, self.node, self._connect, slot, note) != "ok":
             return
-        if answer.get("compare"):  # the receiver holds snapshots of this step: send what it lacks
-            parts = replica_reuse.pieces(slot, header, HEADER_SIZE, head["nbytes"])
-            channel.send({"pieces": [p.to_list() for p in parts]})
-            reused = set(channel.recv().get("reused", []))
-            sent = replica_reuse.send_pieces(channel.sock, slot, parts, reused)
-            crc = replica_reuse.whole_crc(parts)
-        else:
-            crc = send_range(channel.sock, slot, HEADER_SIZE, head["nbytes"])
-            sent = head["nbytes"] - HEADER_SIZE
-        intact = same_snapshot(header, slot.read_header())
-        channel.send({"crc": crc, "intact": intact})
-        result = channel.recv()
-        if not intact:
-            logger.debug("the copy of rank %d step %d was overtaken by a newer save; discarded", rank, step)
-            return
-        elapsed = time.monotonic() - started
-        if not result.get("ok"):
-            logger.warning("node %d did not keep rank %d step %d: %s", self.node, rank, step, result.get("error"))
-            self.owner.report(self.node, note, ok=False, reason=result.get("error"))
-            return
-        self.owner.report(self.node, note, ok=True, seconds=round(elapsed, 4), bytes=head["nbytes"], sent=sent)
         (logger.info if self._failing is not None or not self._succeeded else logger.debug)(
-            "rank %d step %d is replicated on node %d (%.1f MiB in %.3fs, %.1f MiB of it sent)", rank, step,
-            self.node, head["nbytes"] / 2**20, elapsed, sent / 2**20)
+            "rank %s step %s is replicated on node %d", note["rank"], note["step"], self.node)
         self._failing, self._succeeded = None, True
+
+
+def push_copy(owner: Replication, node: int, connect: Callable[[], Channel], slot: Slot, note: dict[str, Any]) -> str:
+    """Copy the snapshot ``note`` names (rank, step, seq) from ``slot`` to node ``node``'s store.
+
+    Returns ``"ok"`` (the peer holds it now), ``"held"`` (it did already), ``"overtaken"`` (the
+    slot no longer holds it, or took a newer save while it was read: nothing is kept), or
+    ``"refused: why"`` (skipped or not kept, reported); raises on a connection failure.
+    """
+    rank, step, seq = int(note["rank"]), int(note["step"]), int(note["seq"])
+    header = slot.read_header()
+    if header is None or header.state is not SlotState.COMPLETE or (header.step, header.seq) != (step, seq):
+        return "overtaken"  # the slot took a newer save meanwhile: that one is offered too
+    head = head_of(header)
+    if head["nbytes"] > slot.size:
+        raise CorruptCheckpointError(f"slot {slot.path} is smaller than its snapshot says")
+    started = time.monotonic()
+    channel = connect()
+    channel.send({"op": "push", "rank": rank, **head})
+    answer = channel.recv()
+    if not answer.get("accept"):
+        if answer.get("reason") == "held":
+            return "held"
+        logger.warning("node %d skipped the replica of rank %d step %d: %s", node, rank, step, answer.get("reason"))
+        owner.report(node, note, ok=False, reason=f"skipped: {answer.get('reason')}")
+        return f"refused: {answer.get('reason')}"
+    if answer.get("compare"):  # the receiver holds snapshots of this step: send what it lacks
+        parts = replica_reuse.pieces(slot, header, HEADER_SIZE, head["nbytes"])
+        channel.send({"pieces": [p.to_list() for p in parts]})
+        reused = set(channel.recv().get("reused", []))
+        sent = replica_reuse.send_pieces(channel.sock, slot, parts, reused)
+        crc = replica_reuse.whole_crc(parts)
+    else:
+        crc = send_range(channel.sock, slot, HEADER_SIZE, head["nbytes"])
+        sent = head["nbytes"] - HEADER_SIZE
+    intact = same_snapshot(header, slot.read_header())
+    channel.send({"crc": crc, "intact": intact})
+    result = channel.recv()
+    if not intact:
+        logger.debug("the copy of rank %d step %d was overtaken by a newer save; discarded", rank, step)
+        return "overtaken"
+    elapsed = time.monotonic() - started
+    if not result.get("ok"):
+        logger.warning("node %d did not keep rank %d step %d: %s", node, rank, step, result.get("error"))
+        owner.report(node, note, ok=False, reason=result.get("error"))
+        return f"refused: {result.get('error')}"
+    owner.report(node, note, ok=True, seconds=round(elapsed, 4), bytes=head["nbytes"], sent=sent)
+    logger.debug("rank %d step %d is on node %d (%.1f MiB in %.3fs, %.1f MiB of it sent)", rank, step, node,
+                 head["nbytes"] / 2**20, elapsed, sent / 2**20)
+    return "ok"

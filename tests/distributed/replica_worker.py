@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--api", choices=("core", "dcp"), default="core")
     parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes beyond its compute")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -98,6 +99,7 @@ def main() -> None:
     flush()
     for step in range(start + 1, args.steps + 1):
         grads = rank_gradients(model, step, rank)
+        time.sleep(args.step_sleep)
         gathered = [[torch.empty_like(g) for g in grads] for _ in range(world)]
         for i, g in enumerate(grads):
             dist.all_gather([gathered[r][i] for r in range(world)], g)

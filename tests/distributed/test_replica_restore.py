@@ -13,6 +13,7 @@ sends node 0 for each rank is under 1% of the snapshot, the rest copied from nod
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from flashckpt_integrations import cli
 from flashckpt_integrations.core.client import job_key, private_dir, run_dir_for
 from flashckpt_integrations.core.replica_slots import list_replicas
 from flashckpt_integrations.core.replication import STATUS_FILE
+from flashckpt_integrations.core.shm_buffer import Slot, SlotState
 from tests.distributed.launch import HERE, env, free_port, torchrun_cmd
 from tests.distributed.replica_worker import reference
 from tests.helpers import kill_savers, saver_pids
@@ -72,11 +74,27 @@ def wait_for(condition, what: str, procs, timeout: float = 150.0) -> None:
         time.sleep(0.1)
 
 
-def holds(shm: str, job: str) -> dict[int, set[int]]:
+def holds(shm: str, job: str, node: int, *, own: bool = False) -> dict[int, set[int]]:
+    """The steps of each rank that node ``node`` holds in its store: its peers' replicas, or
+    (``own``) the kept copies of its own ranks."""
     found: dict[int, set[int]] = {}
     for replica in list_replicas(shm, job):
-        found.setdefault(replica.rank, set()).add(replica.step)
+        if (replica.from_node == node) == own:
+            found.setdefault(replica.rank, set()).add(replica.step)
     return found
+
+
+def local_steps(shm: str, job: str, rank: int) -> set[int]:
+    """The steps in rank ``rank``'s own slots."""
+    steps = set()
+    for path in glob.glob(os.path.join(shm, f"flashckpt-{os.getuid()}-{job}-r{rank}-*")):
+        slot = Slot.attach(path)
+        header = slot.read_header() if slot is not None else None
+        if header is not None and header.state is SlotState.COMPLETE:
+            steps.add(header.step)
+        if slot is not None:
+            slot.close()
+    return steps
 
 
 def kill_node(node_ranks: list[dict], proc: subprocess.Popen) -> None:
@@ -106,10 +124,11 @@ def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir
         first = launch(ckpt, tmp_path / "run1", shm, "--pause-at", str(PAUSE), "--api", api, *width)
         wait_for(lambda: all(os.path.exists(tmp_path / "run1" / f"paused-{r}") for r in range(WORLD)), "step 12",
                  first)
-        wait_for(lambda: holds(shm[0], job).get(1, set()) >= {PAUSE} and holds(shm[0], job).get(2, set()) >= {PAUSE}
-                 and PAUSE in holds(shm[1], job).get(0, set()), "the replicas of step 12", first)
-        assert set(holds(shm[0], job)) == {1, 2}, "node 0 holds node 1's ranks (the newest copies: some are skipped)"
-        assert set(holds(shm[1], job)) == {0}, "node 1 holds node 0's rank"
+        wait_for(lambda: holds(shm[0], job, 0).get(1, set()) >= {PAUSE} and holds(shm[0], job, 0).get(2, set())
+                 >= {PAUSE} and PAUSE in holds(shm[1], job, 1).get(0, set()), "the replicas of step 12", first)
+        assert set(holds(shm[0], job, 0)) == {1, 2}, "node 0 holds node 1's ranks"
+        assert set(holds(shm[1], job, 1)) == {0}, "node 1 holds node 0's rank"
+        assert PAUSE in holds(shm[0], job, 0, own=True)[0], "node 0 keeps its own rank's copy of the round"
         if api == "core":  # data-parallel ranks: node 0's own rank holds the same tensors, only the rest travels
             for rank in (1, 2):
                 wait_for(lambda r=rank: sent_to(run_dirs[1], r, 0).get("step") == PAUSE, "the copy's report", first)
@@ -164,6 +183,54 @@ def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir
         assert (ckpt / "latest").read_text().strip() == str(STEPS)
         wait_for(lambda: not any(saver_pids(d) for d in run_dirs), "the savers to exit after the job", [])
         assert os.listdir(shm[0]) == [] and os.listdir(shm[1]) == [], "a clean end removes slots and replicas"
+    finally:
+        for run_dir in run_dirs:
+            kill_savers(run_dir)
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_a_node_lost_while_training_resumes_from_the_step_kept_in_every_node(tmp_path, private_shm_dir):
+    """No pause: the job trains on, a snapshot every step (each a little longer than a loopback
+    copy) and no commit, while the replication rounds keep one step on every node. Node 1 is
+    lost mid-training: the relaunched job resumes every rank from memory at the newest step that
+    node 0 holds for every rank (its own rank: in its slots or its kept copy; node 1's ranks: in
+    its replicas), node 1's ranks from node 0, and ends with an uninterrupted run's parameters."""
+    ckpt, job = tmp_path / "ckpt", job_key(str(tmp_path / "ckpt"))
+    shm = [private_dir(os.path.join(private_shm_dir, f"node{n}")) for n in (0, 1)]
+    run_dirs = [run_dir_for(job, job_key(f"node{n}")[:8]) for n in (0, 1)]
+    steps = 400
+
+    def common() -> set[int]:
+        replicas, own = holds(shm[0], job, 0), holds(shm[0], job, 0, own=True)
+        mine = own.get(0, set()) | local_steps(shm[0], job, 0)
+        return mine & replicas.get(1, set()) & replicas.get(2, set())
+
+    try:
+        args = ["--steps", str(steps), "--persist-every", "100000", "--step-sleep", "0.02"]
+        first = launch(ckpt, tmp_path / "run1", shm, *args)
+        wait_for(lambda: max(common(), default=0) >= 30, "a step kept on every node", first)
+        recs = ranks(tmp_path / "run1")
+        kill_node([recs[1], recs[2]], first[1])  # node 1 goes down whole while it trains,
+        shutil.rmtree(shm[1])  # and its replacement has none of its memory
+        kill_node([recs[0]], first[0])  # the job restarts: node 0's processes go too (its memory stays)
+        private_dir(shm[1])
+        expected, newest = max(common()), max(local_steps(shm[0], job, 0))
+        assert expected < steps, "the job ended before the kill"
+
+        second = launch(ckpt, tmp_path / "run2", shm, *args)
+        for node, proc in enumerate(second):
+            output, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"node {node}:\n{output[-4000:]}"
+        recs = ranks(tmp_path / "run2")
+        for rec in recs:  # (node 0's newest snapshot at the kill was step {newest})
+            assert rec["load"]["step"] == expected and rec["load"]["source"] == "memory", (rec["load"], newest)
+        for rec in recs[1:]:
+            assert rec["load"]["fetched"]["from_node"] == 0, rec["load"]
+        reference_state = reference(steps, WORLD)
+        for rank in range(WORLD):
+            final = torch.load(tmp_path / "run2" / f"final-{rank}.pt")
+            for name, value in reference_state.items():
+                assert torch.equal(final[name], value), f"rank {rank} {name} differs from the uninterrupted run"
     finally:
         for run_dir in run_dirs:
             kill_savers(run_dir)

@@ -48,7 +48,9 @@ class Node:
                 "target": {"root": self.ckpt, "storage_options": {}, "storage_factory": None}}
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": REPO, "FLASHCKPT_SAVER_KEEP_RUN_DIR": "1", **self.env}
+        # each offered snapshot is copied on its own (the mode without rounds: these ranks have no slot records)
+        env = {**os.environ, "PYTHONPATH": REPO, "FLASHCKPT_SAVER_KEEP_RUN_DIR": "1", "FLASHCKPT_REPLICA_ROUNDS": "0",
+               **self.env}
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.run_dir, SOCKET_NAME))
         with open(os.path.join(self.run_dir, LOG_NAME), "ab") as log:

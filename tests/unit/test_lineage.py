@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -216,3 +217,40 @@ def test_a_crash_in_the_middle_of_a_superseding_save_leaves_old_or_new_never_a_m
     assert stock == ours
     if point in ("saver.supersede", "trainer.sealed"):
         assert stock == "new"
+
+
+def test_a_first_save_returns_before_its_attempt_record_and_is_usable_only_once_recorded(
+        make_checkpointer, tmp_path, monkeypatch):
+    """The first save of an attempt writes the attempt's record beside its copy. It returns once
+    copied, however slow the record's write; its slot is sealed (usable, persisted) only after."""
+    from flashckpt_integrations.core import lineage
+    from flashckpt_integrations.core.shm_buffer import SlotState
+
+    written, release, fail = threading.Event(), threading.Event(), [True]
+    publish = lineage.publish
+
+    def slow_publish(storage, record):  # storage that takes its time (and fails once)
+        release.wait(60)
+        if fail and fail.pop():
+            raise OSError("the storage said no")
+        answer = publish(storage, record)
+        written.set()
+        return answer
+
+    monkeypatch.setattr(lineage, "publish", slow_publish)
+    ck = make_checkpointer()
+    records = tmp_path / "ckpt" / lineage.LINEAGE_DIR
+    first = ck.save(1, {"w": torch.full((256, 256), 1.0)}, persist=False)
+    assert first.ok and first.status.value == "in_memory"
+    states = [s.read_header().state for s in ck._slots[:len(ck.slot_paths)] if s is not None]
+    assert SlotState.COMPLETE not in states, "a slot was sealed before its attempt was recorded"
+    release.set()  # the write fails: the snapshot is dropped, with the reason
+    assert ck.memory_steps() == []
+    assert first.status.value == "failed" and "the storage said no" in first.reason
+    assert not written.is_set() and not (records.exists() and any(records.iterdir()))
+
+    second = ck.save(2, {"w": torch.full((256, 256), 2.0)})  # tries the record again
+    assert second.wait(60).committed
+    assert written.is_set() and any(records.iterdir())
+    assert ck.memory_steps() == [2]
+    assert torch.equal(ck.load().state["w"], torch.full((256, 256), 2.0))

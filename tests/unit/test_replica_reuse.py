@@ -15,6 +15,7 @@ from flashckpt_integrations.core.shm_buffer import HEADER_SIZE, Slot
 
 def _snapshot(ck, step, state):
     assert ck.save(step, state, persist=False).ok
+    assert ck.wait_for_snapshot() is None  # a first save is sealed once its attempt is recorded
     slot = Slot.attach(ck.slot_paths[ck._newest_index()])
     header = slot.read_header()
     return slot, header, header.meta_offset + header.meta_len

@@ -1,0 +1,320 @@
+"""Replication rounds: one step of every rank kept in memory, on its own node and on its peers.
+
+Copying each rank's newest snapshot whenever a peer can take it leaves, after a node is lost, no
+step that every rank still holds: by the time the lost node's replicas arrived the survivors'
+slots have moved on, and the replicas of its ranks are of different steps. A round fixes one
+step for the whole job. Every saver copies its ranks' snapshots of that step into its own
+replica store (the node's kept copy: one memory copy) and from there to its peers; once every
+node has done both, the step is the job's kept step, which no later copy overwrites until a
+newer round is kept. A lost node then always leaves the kept step on every rank: the survivors'
+own copies and the lost node's replicas, and ``load`` resumes there (the newest step every rank
+holds, with or without rounds). The trainers take no part: a round reads their sealed slots as
+a peer copy does, holding a slot's lock only while it copies it into the store.
+
+Call order:
+
+1. :class:`Rounds` is made by :class:`~.replication.Replication` when replication starts;
+   :meth:`Rounds.start` starts the leader thread on node 0's saver.
+2. The leader (:meth:`Rounds._lead`), at most ``duty`` of the time (:func:`.replication.copy_duty`):
+   ``after`` = the newest step every rank of its node has sealed.
+   - ``round_snap`` asks every node's saver (its own directly, the others on the peer channel)
+     to copy its ranks' snapshots of the smallest step >= ``after`` that all of them hold into
+     its store (:meth:`Rounds.snap`) and to say which step that was; when the nodes answer
+     different steps the round starts again from the newest of them.
+   - ``round_send``: every node copies those copies to its placement targets (:meth:`Rounds.send`).
+   - When every node answered ok, ``round_kept`` gives every node the new kept step
+     (:meth:`Rounds.keep`; each ``round_snap`` carries it as well).
+3. Every store write asks :attr:`Rounds.kept` for the step :meth:`.ReplicaStore.begin` must not
+   overwrite (the receiver of a peer's copy, and :meth:`Rounds.snap`).
+4. :meth:`Rounds.close`.
+
+Memory: a rank's kept copies live in its own node's store, two of them (the kept step and the
+round in flight), beside the two replicas of each peer rank the node holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from .. import knobs
+from ..errors import CorruptCheckpointError, SharedMemoryError
+from . import peers
+from .protocol import SLOTS_FILE
+from .replica_slots import ReplicaSkipped
+from .shm_buffer import Slot, SlotHeader, SlotState
+
+if TYPE_CHECKING:
+    from .replication import Replication
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1
+"""How often the leader looks for a newer step while no round is due."""
+OPS = ("round_snap", "round_send", "round_kept")
+"""The peer ops of a round (the leader's questions)."""
+RETRIES = 3
+"""Rounds started again at once when the nodes answered different steps."""
+
+
+def enabled() -> bool:
+    return knobs.get(knobs.REPLICA_ROUNDS, "1") != "0"
+
+
+def local_slots(run_dir: str) -> dict[int, list[str]]:
+    """This node's ranks and their slot files, from the ranks' records in the saver's run directory."""
+    found: dict[int, list[str]] = {}
+    for record in sorted(glob.glob(os.path.join(run_dir, SLOTS_FILE.format(rank="*")))):
+        try:
+            with open(record) as f:
+                data = json.load(f)
+            found[int(data["rank"])] = [str(p) for p in data.get("slots", [])]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def _complete(path: str) -> tuple[Slot, SlotHeader] | None:
+    try:
+        slot = Slot.attach(path)
+    except (SharedMemoryError, OSError):
+        return None
+    if slot is None:
+        return None
+    try:
+        header = slot.read_header()
+    except CorruptCheckpointError:
+        header = None
+    if header is None or header.state is not SlotState.COMPLETE:
+        slot.close()
+        return None
+    return slot, header
+
+
+class Rounds:
+    """The rounds of one saver (see the module docstring)."""
+
+    def __init__(self, owner: Replication) -> None:
+        self.owner = owner
+        self.kept: int | None = None
+        self._lock = threading.Lock()  # one round at a time on this node
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_s = 1.0
+
+    def start(self) -> None:
+        if self.owner.settings.node_rank == 0 and self.owner.settings.nnodes > 1:
+            self._thread = threading.Thread(target=self._lead, name="replica-rounds", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # --- every node ------------------------------------------------------------------------
+
+    def snap(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Copy this node's ranks' snapshots of one step >= ``after`` into the store; the step."""
+        if message.get("kept") is not None:
+            self.keep({"step": message["kept"]})
+        after = int(message["after"])
+        started = time.monotonic()
+        with self._lock:
+            ranks = local_slots(self.owner.run_dir)
+            if not ranks:
+                return {"ok": False, "error": "no rank of this node has a slot yet"}
+            held: dict[int, dict[int, tuple[Slot, SlotHeader]]] = {}
+            try:
+                for rank, paths in ranks.items():
+                    held[rank] = {}
+                    for path in paths:
+                        found = _complete(path)
+                        if found is not None and found[1].step in held[rank]:
+                            found[0].close()  # the same step twice (a held slot): one copy is enough
+                        elif found is not None:
+                            held[rank][found[1].step] = found
+                common = set.intersection(*(set(s) for s in held.values()))
+                steps = sorted(s for s in common if s >= after)
+                if not steps:
+                    newest = max((max(s) for s in held.values() if s), default=None)
+                    return {"ok": False, "newest": newest,
+                            "error": f"no step >= {after} is held by every rank of this node ({sorted(common)})"}
+                step = steps[0]
+                for rank, by_step in held.items():
+                    slot, header = by_step[step]
+                    error = self._copy_own(rank, slot, header)
+                    if error is not None:
+                        return {"ok": False, "error": error, "newest": step + 1}
+            finally:
+                for by_step in held.values():
+                    for slot, _ in by_step.values():
+                        slot.close()
+        return {"ok": True, "step": step, "ranks": sorted(held), "seconds": time.monotonic() - started}
+
+    def _copy_own(self, rank: int, slot: Slot, header: SlotHeader) -> str | None:
+        locked = slot.try_lock()  # the trainer leaves a locked slot alone (a persist holds it otherwise)
+        try:
+            if not self.owner.store.copy_local(rank, slot, header, self.owner.settings.node_rank, keep=self.kept):
+                return f"rank {rank}'s snapshot of step {header.step} was overwritten while it was copied"
+        except ReplicaSkipped as exc:
+            return f"rank {rank}'s kept copy was not taken: {exc}"
+        finally:
+            if locked:
+                slot.unlock()
+        return None
+
+    def send(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Copy this node's kept copies of ``step`` to every placement target; ok once all hold them."""
+        step = int(message["step"])
+        ranks = sorted(local_slots(self.owner.run_dir))
+        errors: list[str] = []
+        with self._lock:
+            for node in self.owner.targets():
+                errors += self._send_to(node, ranks, step)
+        return {"ok": False, "error": "; ".join(errors)} if errors else {"ok": True}
+
+    def _send_to(self, node: int, ranks: list[int], step: int) -> list[str]:
+        from .replication import SEND_TIMEOUT_S, push_copy
+
+        owner, store = self.owner, self.owner.store
+        opened: list[peers.Channel] = []
+
+        def connect() -> peers.Channel:
+            if not opened:
+                record = peers.read_peer(owner.storage(), owner.settings.job, node)
+                if record is None:
+                    raise ConnectionError(f"node {node} has published no saver")
+                opened.append(peers.connect(record, owner._secret, owner.settings.job, owner.settings.node_rank,
+                                            timeout=SEND_TIMEOUT_S))
+            return opened[0]
+
+        errors = []
+        try:
+            for rank in ranks:
+                info = next((i for i in store.held(rank) if i.step == step), None)
+                slot = store.acquire(rank, step, info.seq) if info is not None else None
+                if slot is None:
+                    errors.append(f"rank {rank} has no kept copy of step {step}")
+                    continue
+                try:
+                    outcome = push_copy(owner, node, connect, slot,
+                                        {"rank": rank, "slot": slot.path, "step": step, "seq": info.seq})
+                finally:
+                    store.release(slot)
+                if outcome not in ("ok", "held"):
+                    errors.append(f"rank {rank} to node {node}: {outcome}")
+        except Exception as exc:  # unreachable, refused, gone mid-copy: the round fails
+            errors.append(f"node {node}: {type(exc).__name__}: {exc}")
+        finally:
+            for channel in opened:
+                channel.close()
+        return errors
+
+    def keep(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The job's kept step: no store write overwrites its copies until a newer one is kept."""
+        self.kept = int(message["step"])
+        return {"ok": True}
+
+    # --- the leader (node 0) ---------------------------------------------------------------
+
+    def _lead(self) -> None:
+        from .replication import copy_duty
+
+        duty = copy_duty()
+        next_at = 0.0
+        while not self._stop.wait(POLL_S if time.monotonic() >= next_at else next_at - time.monotonic()):
+            try:
+                after = self._newest_local()
+                if after is None or (self.kept is not None and after <= self.kept):
+                    continue
+                started = time.monotonic()
+                kept = self._round(after)
+                elapsed = time.monotonic() - started
+                self._last_s = elapsed
+                next_at = time.monotonic() + (elapsed * (1 / duty - 1) if kept is not None else max(1.0, elapsed))
+            except Exception as exc:  # a round that cannot run is tried again later
+                logger.warning("replication round failed: %s: %s", type(exc).__name__, exc)
+                next_at = time.monotonic() + 1.0
+
+    def _newest_local(self) -> int | None:
+        """The newest step every rank of this node has sealed."""
+        newest = []
+        for paths in local_slots(self.owner.run_dir).values():
+            steps = []
+            for path in paths:
+                found = _complete(path)
+                if found is not None:
+                    steps.append(found[1].step)
+                    found[0].close()
+            if not steps:
+                return None
+            newest.append(max(steps))
+        return min(newest) if newest else None
+
+    def _round(self, after: int) -> int | None:
+        """One round from ``after``; the step it kept, or None."""
+        settings = self.owner.settings
+        records = peers.read_peers(self.owner.storage(), settings.job)
+        nodes = list(range(settings.nnodes))
+        if any(n not in records for n in nodes if n != settings.node_rank):
+            return None  # a node's saver is not up yet
+        for _ in range(RETRIES):
+            answers = self._ask_all(records, nodes, {"op": "round_snap", "after": after, "kept": self.kept})
+            steps = {a["step"] for a in answers.values() if a.get("ok")}
+            if all(a.get("ok") for a in answers.values()) and len(steps) == 1:
+                break
+            said = [a.get("step") if a.get("ok") else a.get("newest") for a in answers.values()]
+            newest = max((n for n in said if isinstance(n, int)), default=None)
+            if newest is None or newest <= after:  # nothing newer to agree on yet
+                logger.debug("replication round from step %d: %s", after, answers)
+                return None
+            after = newest  # the nodes took different steps: again, from the newest of them
+        else:
+            return None
+        step = steps.pop()
+        answers = self._ask_all(records, nodes, {"op": "round_send", "step": step})
+        failed = {n: a.get("error") for n, a in answers.items() if not a.get("ok")}
+        if failed:
+            logger.info("replication round of step %d is not kept: %s", step, failed)
+            return None
+        self._ask_all(records, nodes, {"op": "round_kept", "step": step})
+        logger.debug("step %d is kept in memory on every node", step)
+        return step
+
+    def _ask_all(self, records: dict[int, peers.PeerRecord], nodes: list[int],
+                 message: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        with ThreadPoolExecutor(len(nodes), thread_name_prefix="replica-round") as pool:
+            futures = {n: pool.submit(self._ask, records.get(n), n, message) for n in nodes}
+            return {n: f.result() for n, f in futures.items()}
+
+    def _ask(self, record: peers.PeerRecord | None, node: int, message: dict[str, Any]) -> dict[str, Any]:
+        owner = self.owner
+        try:
+            if node == owner.settings.node_rank:
+                return self.handle(message)
+            timeout = max(60.0, 10 * self._last_s)
+            channel = peers.connect(record, owner._secret, owner.settings.job, owner.settings.node_rank,
+                                    timeout=timeout)
+            with contextlib.closing(channel):
+                channel.send(message)
+                return channel.recv()
+        except Exception as exc:
+            return {"ok": False, "error": f"node {node}: {type(exc).__name__}: {exc}"}
+
+    def handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Serve one round op (from the leader, on the peer channel or in this process)."""
+        op = message.get("op")
+        work = dict(zip(OPS, (self.snap, self.send, self.keep))).get(op)
+        if work is None:
+            return {"ok": False, "error": f"unknown op {op!r}"}
+        try:
+            return work(message)
+        except Exception as exc:
+            logger.warning("%s failed: %s: %s", op, type(exc).__name__, exc)
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
