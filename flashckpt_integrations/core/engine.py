@@ -420,22 +420,22 @@ class Checkpointer(LoadPath):
         args = (index, slot, step, seq, sid, durable, stream)
         recording, self._recording = self._recording, None
         if result is not None and not stream and recording is not None and not recording.done():
-            # on the request thread, queued now (an interpreter that exits meanwhile still runs it),
-            # in order before any later save's request
-            self._sealing = self._requester.submit(self._seal_after, result, recording, *args)
+            # on the record's writer, right after the record (an interpreter that exits meanwhile
+            # still runs it); the next save waits for it, so its persist request is queued first
+            self._sealing = self._lineage_writer.submit(self._seal_after, result, recording, *args)
             return None
         return self._seal(recording, *args)
 
     def _seal_after(self, result: SaveResult, *args: Any) -> str | None:
         """Seal a first save once its attempt's record is on storage; a failure turns it FAILED."""
-        error = self._seal(*args, inline=True)
+        error = self._seal(*args)
         if error is not None:
             result.status, result.reason = SaveStatus.FAILED, error
         return error
 
     def _seal(
         self, recording: Future | None, index: int, slot: Slot, step: int, seq: int, sid: str,
-        durable: Future | None, stream: bool, *, inline: bool = False,
+        durable: Future | None, stream: bool,
     ) -> str | None:
         """Seal a copied slot once the attempt's record (``recording``) is on storage: a snapshot
         is usable only then, else a restart could not tell which attempt took it. Then hand it
@@ -451,10 +451,7 @@ class Checkpointer(LoadPath):
             self._replicas.sealed(slot.path, step, seq)  # peers copy it in the background
         if durable is not None and not stream:
             self._persisting[index] = durable
-            if inline:  # already on the request thread
-                self._request_persist(slot, step, seq, sid, durable)
-            else:
-                self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
+            self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
         return None
 
     def _failed(self, slot: Slot, step: int, durable: Future | None, stream: bool, exc: Exception) -> str:
@@ -765,8 +762,8 @@ class Checkpointer(LoadPath):
             hook.remove()
         self._background.shutdown(wait=True)  # a queued purge (retention after a direct commit) still runs
         self._copier.shutdown(wait=True)
+        self._lineage_writer.shutdown(wait=True)  # a first save's seal hands its persist to the requester
         self._requester.shutdown(wait=True)
-        self._lineage_writer.shutdown(wait=True)
         self._replicas.close()
         self._client.close(clean=clean)
         for slot in self._slots:
