@@ -80,6 +80,7 @@ def test_each_node_persists_its_ranks_and_rank_0s_node_commits(make_checkpointer
     ckpt = tmp_path / "ckpt"
     for ck in two_ranks(make_checkpointer, ckpt):
         assert ck.save(4, state(4, ck.rank), persist=False).ok
+        assert ck.wait_for_snapshot() is None  # rank 0's first save is sealed once its record is written
     slots = job_slots(ckpt)
     other_node = persist_newest({1: slots[1]})  # a node that holds rank 1 only
     assert (other_node.status, other_node.step, other_node.ranks) == (RescueStatus.PERSISTED, 4, [1])

@@ -169,6 +169,7 @@ def test_ls_finds_a_named_job_with_the_options_after_the_command(make_checkpoint
     ckpt = tmp_path / "ckpt"
     ck = make_checkpointer(ckpt, config=CheckpointerConfig(job_id=job_id))
     assert ck.save(3, {"w": torch.ones(10)}, persist=False).status.value == "in_memory"
+    assert ck.wait_for_snapshot() is None  # a first save is sealed once the attempt's record is written
     shm_dir = os.environ["FLASHCKPT_SHM_DIR"]
     monkeypatch.delenv("FLASHCKPT_SHM_DIR")  # only the option says where the slots are
     monkeypatch.delenv("FLASHCKPT_JOB_ID", raising=False)
@@ -295,6 +296,7 @@ def test_persist_draws_100_percent_once_in_units_that_fit(make_checkpointer, tmp
     ckpt = tmp_path / "ckpt"
     ck = make_checkpointer(ckpt)
     assert ck.save(1, {"w": torch.ones(1000), "b": torch.ones(3)}, persist=False).status.value == "in_memory"
+    assert ck.wait_for_snapshot() is None  # a first save is sealed once the attempt's record is written
     done = flashckpt("persist", str(ckpt))
     assert done.returncode == 0 and done.stdout.startswith("committed: "), done.stdout + done.stderr
     assert committed_steps(LocalStorage(str(ckpt))) == [1]
