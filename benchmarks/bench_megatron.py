@@ -16,11 +16,12 @@ once per configuration, round-robin, each into its own directory:
   --use-persistent-ckpt-worker`` (``torch_dist`` only: Megatron has no async legacy save): the
   call, and until ``maybe_finalize_async_save(blocking=True)`` returns (files, ``metadata.json``
   and the tracker written)
-* ``flash`` / ``_committed``: the patched ``save_checkpoint``: the call, and until the commit
-  (every rank's files durable, tracker written)
-* ``flash_overlap`` / ``_copied`` / ``_committed``: the same with ``async_snapshot`` (the copy into
-  shared memory overlaps the next iteration; its optimizer step waits for it): the call, until
-  the copy is done (what a step that follows at once would wait), and until the commit
+* ``flash`` / ``_committed``: the patched ``save_checkpoint`` without ``--async-save``: the call,
+  and until the commit (every rank's files durable, tracker written)
+* ``flash_overlap`` / ``_copied`` / ``_committed``: the patched ``save_checkpoint`` with the same
+  flags as ``megatron_async`` (under the patch ``--async-save`` overlaps the copy into shared
+  memory with the next iteration; its optimizer step waits for it): the call, until the copy is
+  done (what a step that follows at once would wait), and until the commit
 
 A metric's time is the slowest rank's; the table gives medians over repeats and the medians of
 the per-repeat ratios to Megatron's async save: blocking (target <= 0.5) and committed (target
@@ -30,7 +31,6 @@ the per-repeat ratios to Megatron's async save: blocking (target <= 0.5) and com
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import socket
@@ -74,7 +74,6 @@ def run(opts: argparse.Namespace) -> None:
     from megatron.training import checkpointing, get_args
     from megatron.training.async_utils import init_persistent_async_worker, maybe_finalize_async_save
 
-    from flashckpt_integrations import Checkpointer
     from flashckpt_integrations.adapters import megatron as flash_megatron
 
     dist = torch.distributed
@@ -93,9 +92,6 @@ def run(opts: argparse.Namespace) -> None:
     tiny.train(model, optimizer, scheduler, 1, 1)  # the optimizer's state exists
     params = sum(p.numel() for m in model for p in m.parameters())
     flash = flash_megatron.patch(persist_interval=1)
-    overlap_dir = os.path.abspath(os.path.join(root, "flash_overlap"))
-    overlapping = dataclasses.replace(flash.config, async_snapshot=True)
-    flash._checkpointers[overlap_dir] = Checkpointer(overlap_dir, overlapping)
     stock_save = flash._originals["save_checkpoint"]
     kinds = ["megatron_sync", "megatron_async", "flash", "flash_overlap"]
 
@@ -103,7 +99,7 @@ def run(opts: argparse.Namespace) -> None:
         args.save = os.path.join(root, kind)
         args.ckpt_format = "torch_dist" if kind == "megatron_async" else opts.format
         args.use_dist_ckpt = args.ckpt_format != "torch"
-        args.async_save = args.use_persistent_ckpt_worker = kind == "megatron_async"
+        args.async_save = args.use_persistent_ckpt_worker = kind in ("megatron_async", "flash_overlap")
         dist.barrier()
         started = time.perf_counter()
         if kind.startswith("flash"):

@@ -10,10 +10,11 @@ Flash checkpoints are one import and one call (see ``main``)::
 
 Everything else is stock Megatron, on the flags of a production run: its default checkpoint
 format (``torch_dist``, with ``--ckpt-fully-parallel-save``), the distributed optimizer, and
-``--async-save --use-persistent-ckpt-worker`` (which the patch makes no-ops: its saver is
-asynchronous already). ``--non-persistent-save-interval`` (our ``--snapshot-interval``) saves go
-to shared memory only, ``--save-interval`` (our ``--persist-interval``) saves go to shared memory
-and are written to ``--ckpt-dir`` by a background saver, as Megatron's own
+``--async-save --use-persistent-ckpt-worker`` (under the patch the copy into shared memory
+overlaps the next iteration, and the saver, not Megatron's worker, writes the files).
+``--non-persistent-save-interval`` (our ``--snapshot-interval``) saves go to shared memory only,
+``--save-interval`` (our ``--persist-interval``) saves go to shared memory and are written to
+``--ckpt-dir`` by a background saver, as Megatron's own
 ``iter_XXXXXXX/{__0_0.distcp,__1_0.distcp,.metadata,metadata.json}``. At start, ``load_checkpoint``
 (run by ``pretrain()``) resumes from shared memory when it holds a newer complete snapshot than
 the disk. ``-- --ckpt-format torch`` runs the same on Megatron's legacy format.

@@ -24,9 +24,12 @@ flash.close()                                        # storage every 100; close(
 
   The committer renames the iteration's folder into place and writes
   ``latest_checkpointed_iteration.txt`` only once every rank's files are durable, so unpatched
-  Megatron reads the result and never sees a partial iteration. ``--async-save`` (with
-  ``--use-persistent-ckpt-worker``) changes nothing: the saver is asynchronous already, so
-  Megatron's worker is not started and no second copy is made (one INFO line says so).
+  Megatron reads the result and never sees a partial iteration. ``--async-save`` (with or
+  without ``--use-persistent-ckpt-worker``) overlaps the copy into shared memory with the next
+  iteration (``async_snapshot``, unless a config dict sets it to False): the torch
+  optimizers inside Megatron's wait for the copy before they change the parameters. The saver
+  is the asynchronous writer, so Megatron's worker is not started and no second copy is made
+  (one INFO line says so).
 * Saves whose iteration is not a multiple of ``persist_interval``, and Megatron's non-persistent
   saves (``--non-persistent-save-interval``), stay in memory only: one memory copy, and they
   survive the death of the training processes.
@@ -106,9 +109,10 @@ _FILE_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "ex
 """The sizes that name a legacy checkpoint's files: a load with other values cannot find them."""
 FORMATS = ("torch_dist", "torch")
 """The ``--ckpt-format`` values the patch saves and loads itself."""
-_ASYNC_NOTE = ("flashckpt: --async-save / --use-persistent-ckpt-worker have no effect under the flash patch: "
-               "save_checkpoint returns once the state is in shared memory and the node's saver writes it in "
-               "the background already, so Megatron's checkpoint worker is not started (no second copy)")
+_ASYNC_NOTE = ("flashckpt: under the flash patch, --async-save overlaps the copy into shared memory with the next "
+               "iteration (the optimizers wait for it before changing the parameters) and the node's saver "
+               "writes the files in the background, so Megatron's checkpoint worker is not started "
+               "(no second copy)")
 
 _active: MegatronFlash | None = None
 
@@ -185,6 +189,7 @@ class MegatronFlash:
     _warned: set[str] = dataclasses.field(default_factory=set)
     _attached: set[int] = dataclasses.field(default_factory=set)
     _transfer_group: Any = None
+    _follow_async_save: bool = True  # --async-save turns on async_snapshot (the config did not set it)
 
     def checkpointer(self, directory: str | os.PathLike) -> Checkpointer:
         """The checkpointer of a checkpoint directory (``--save`` / ``--load``), made on first use."""
@@ -221,16 +226,18 @@ class MegatronFlash:
         if margs.async_save:
             self._note_async()
         ck = self.checkpointer(margs.save)
-        self._attach(ck, call.arguments.get("optimizer"))
+        overlap = ck.config.async_snapshot or bool(margs.async_save and self._follow_async_save)
+        self._attach(ck, call.arguments.get("optimizer"), overlap)
         capture = self._capture_dist if margs.ckpt_format == "torch_dist" else self._capture
         files = capture(ck, iteration, original, call)
-        self.last_save = ck.save(iteration, files=files, persist=persist, metadata={"megatron": _snapshot_kind(margs)})
+        self.last_save = ck.save(iteration, files=files, persist=persist, async_snapshot=overlap,
+                                 metadata={"megatron": _snapshot_kind(margs)})
         log_save(logger, ck.rank, "Megatron save_checkpoint", self.last_save,
                  os.path.join(ck.url, LAYOUT.step_path(iteration)), time.perf_counter() - started)
 
-    def _attach(self, ck: Checkpointer, optimizer: Any) -> None:
-        """With ``async_snapshot``, make the torch optimizers inside Megatron's wait for the overlapped copy."""
-        if not ck.config.async_snapshot or optimizer is None or id(optimizer) in self._attached:
+    def _attach(self, ck: Checkpointer, optimizer: Any, overlap: bool) -> None:
+        """With an overlapped copy, make the torch optimizers inside Megatron's wait for it."""
+        if not overlap or optimizer is None or id(optimizer) in self._attached:
             return
         self._attached.add(id(optimizer))
         for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
@@ -457,8 +464,10 @@ def patch(*, persist_interval: int | None = 1,
     memory only (``None``: persist none; ``1``: persist every save). ``config``: a
     :class:`~flashckpt_integrations.CheckpointerConfig` or a dict of its fields (``retention``,
     ``async_snapshot``, ...); the layout is always Megatron's. With ``{"async_snapshot": True}``
-    the copy into shared memory overlaps the next iteration's forward and backward passes, and
-    the torch optimizers inside Megatron's wait for it before they change the parameters.
+    (or, when the config leaves it unset, Megatron's ``--async-save``) the copy into shared
+    memory overlaps the next iteration's forward and backward passes, and the torch optimizers
+    inside Megatron's wait for it before they change the parameters; a dict with
+    ``{"async_snapshot": False}`` keeps the copy synchronous whatever the flags say.
     """
     global _active
     _check_version()
@@ -467,6 +476,7 @@ def patch(*, persist_interval: int | None = 1,
         raise ValueError(f"persist_interval={persist_interval!r} must be a positive number of iterations or None")
     if _active is not None:
         raise FlashCkptError("Megatron is patched already; call flash_megatron.unpatch() before patching again")
+    follow = not (isinstance(config, Mapping) and "async_snapshot" in config)  # a dict can say False
     if isinstance(config, CheckpointerConfig):
         fields = dataclasses.asdict(config)
     elif config is None or isinstance(config, Mapping):
@@ -476,7 +486,8 @@ def patch(*, persist_interval: int | None = 1,
     else:
         raise TypeError(f"config must be a CheckpointerConfig or a dict of its fields, got {type(config)}")
     fields["layout"] = LAYOUT
-    flash = MegatronFlash(persist_interval=persist_interval, config=CheckpointerConfig(**fields))
+    flash = MegatronFlash(persist_interval=persist_interval, config=CheckpointerConfig(**fields),
+                          _follow_async_save=follow)
     flash._install()
     _active = flash
     return flash
