@@ -11,7 +11,11 @@ export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 export PYTHONUNBUFFERED=1
 
 "$PY" -m pip install torch==2.13.0
-DS_BUILD_OPS=0 "$PY" -m pip install -e '.[test,hf,deepspeed]'
+# s3fs next: its aiobotocore pins botocore to a few releases; moto's boto3 is then chosen to match,
+# instead of pip walking back through hundreds of botocore releases (GBs of downloads)
+"$PY" -m pip install 's3fs>=2024.3'
+botocore=$("$PY" -m pip show botocore | awk '/^Version:/ {print $2}')
+DS_BUILD_OPS=0 "$PY" -m pip install -e '.[test,hf,deepspeed]' "botocore==$botocore"
 
 rc=0
 "$PY" -m pytest -q -p no:cacheprovider tests "$@" || rc=$?
