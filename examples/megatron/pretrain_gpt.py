@@ -19,8 +19,8 @@ overlaps the next iteration, and the saver, not Megatron's worker, writes the fi
 (run by ``pretrain()``) resumes from shared memory when it holds a newer complete snapshot than
 the disk. ``-- --ckpt-format torch`` runs the same on Megatron's legacy format.
 
-``--kill-at ITER`` SIGKILLs every rank right after the save of iteration ITER returned (once every
-rank has it), to simulate a crash. Rank 0 prints ``[pretrain_gpt] ...`` lines: where it resumed
+``--kill-at ITER`` SIGKILLs every rank right after the snapshot of iteration ITER is in shared
+memory (once every rank has it), to simulate a crash. Rank 0 prints ``[pretrain_gpt] ...`` lines: where it resumed
 from at start, and the final iteration and loss at the end.
 
 Without a GPU it runs on CPU with gloo, using the test shims in ``tests/megatron/cpu_shims.py``.
@@ -174,6 +174,7 @@ def install_hooks(flash: flash_megatron.MegatronFlash, kill_at: int | None, rank
         if rank == 0 and (result := flash.last_save) is not None:
             say(f"saved iteration {iteration}: {result.status.value} (training held {1000 * result.blocking_s:.1f} ms)")
         if iteration == kill_at:
+            flash.wait_for_snapshot()  # with --async-save the copy overlaps training: let it finish
             torch.distributed.barrier()  # every rank's snapshot of `iteration` is in shared memory
             if rank == 0:
                 say(f"SIGKILL after the save of iteration {iteration}")

@@ -198,6 +198,12 @@ class MegatronFlash:
             self._checkpointers[root] = Checkpointer(root, self.config)
         return self._checkpointers[root]
 
+    def wait_for_snapshot(self) -> str | None:
+        """Wait until the overlapped copies into shared memory (``--async-save``) are done: only then
+        would a crash resume from the newest save. ``None``, or the first copy's failure."""
+        errors = [ck.wait_for_snapshot() for ck in self._checkpointers.values()]
+        return next((e for e in errors if e is not None), None)
+
     def wait(self) -> PersistResult | None:
         """Wait until every persisting save is committed (or failed); the newest outcome."""
         outcomes = [ck.wait() for ck in self._checkpointers.values()]

@@ -451,7 +451,11 @@ class Checkpointer(LoadPath):
             self._replicas.sealed(slot.path, step, seq)  # peers copy it in the background
         if durable is not None and not stream:
             self._persisting[index] = durable
-            self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
+            try:
+                self._requester.submit(self._request_persist, slot, step, seq, sid, durable)
+            except RuntimeError:  # the interpreter is exiting (a helper thread sealed it): executors
+                self._requester.shutdown(wait=True)  # take no new work; the requests before this go
+                self._request_persist(slot, step, seq, sid, durable)  # first, then this one, here
         return None
 
     def _failed(self, slot: Slot, step: int, durable: Future | None, stream: bool, exc: Exception) -> str:

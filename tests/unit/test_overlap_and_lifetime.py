@@ -77,16 +77,23 @@ def test_exit_without_close_waits_for_the_persist(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     code = textwrap.dedent(
         """
-        import sys, torch
+        import sys, time, torch
         from flashckpt_integrations import Checkpointer
+        from flashckpt_integrations.core import lineage
+        publish = lineage.publish
+        def slow_publish(storage, record):  # the first save is sealed (and handed over) as this exits
+            time.sleep(0.5)
+            return publish(storage, record)
+        lineage.publish = slow_publish
         ck = Checkpointer(sys.argv[1], storage_factory="tests.helpers:SlowStorage")
-        ck.save(1, {"w": torch.ones(1000)})
+        assert ck.save(1, {"w": torch.ones(1000)}).status.value == "persisting"
         # no wait(), no close(): interpreter exit must not lose the in-flight checkpoint
         """
     )
     started = time.monotonic()
     proc = run_python(code, ckpt, env={"FLASHCKPT_TEST_WRITE_DELAY": "2"})
     assert proc.returncode == 0, proc.stderr
+    assert "did not finish at exit" not in proc.stderr, proc.stderr
     assert time.monotonic() - started > 2
     with Checkpointer(ckpt) as ck:
         assert ck.committed_steps() == [1]
