@@ -211,6 +211,12 @@ class WarmStart:
                 forked = warm.spawn(args[0], args[1:], env, *self._paths) if args else None
                 return forked if forked is not None else super()._popen(args, env)
 
+            def close(self, *args: Any, **kwargs: Any) -> None:
+                # a forked worker's exit reaches us from the template: one that died and was reaped
+                # there a moment before is polled as running, and its process group is gone
+                with contextlib.suppress(ProcessLookupError):
+                    super().close(*args, **kwargs)
+
         def handler(**kwargs: Any) -> SubprocessHandler:
             return _WarmHandler(**kwargs)
 
