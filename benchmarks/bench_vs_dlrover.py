@@ -23,6 +23,8 @@ What is timed, for both:
                    (both polled every 2 ms: our COMMITTED marker, DLRover's tracker file)
   shared memory    /dev/shm bytes held (allocated blocks of the job's files) against the state
 and the DISK-then-MEMORY race: a persisting save of step N and at once a memory save of N+1.
+Ours alone: the slowest of a job's first three persisting saves taken before its saver is up
+(its start held back; see ``task_early``), against our warm save in the same process.
 
 DLRover specifics (read in the 0.6.1 wheel; they decide how it is driven here):
   * API: ``dlrover.trainer.torch.flash_checkpoint.ddp.DdpCheckpointer(dir)``,
@@ -97,6 +99,10 @@ SYSTEMS = ("raw", "dlrover", "ours")
 POLL_S = 0.002
 WARM_SAVES = 3
 CONSTRUCT_ATTEMPTS = 4
+EARLY_HOLD_S = 15.0
+"""How long ``task_early`` holds the saver's start back: longer than prepare() and three saves take."""
+EARLY_GAP_S = 0.5
+"""Seconds between those saves (the training steps between them)."""
 START_TIMEOUT_S = 30.0
 """A constructor that has not returned by then hung in DLRover's startup race (normally < 1 s)."""
 HUNG = "Timed out waiting for socket server"
@@ -609,7 +615,56 @@ def task_race(p: dict[str, Any]) -> dict[str, Any]:
     return {"race": trials}
 
 
-TASKS = {"session": task_session, "crash": task_crash, "crash_saver": task_crash_saver,
+def task_early(p: dict[str, Any]) -> dict[str, Any]:
+    """Ours only: a job's first three persisting saves while its saver's start is held back (this
+    process holds the node's spawn lock for ``EARLY_HOLD_S``: a saver still importing on a loaded
+    host), ``EARLY_GAP_S`` apart as training steps would be, after ``prepare()``; then the median
+    of warm memory saves once the saver is up, in the same process. All three must be committed
+    and load bit-equal."""
+    import fcntl
+    import threading
+
+    from flashckpt_integrations import Checkpointer
+    from flashckpt_integrations.core.client import job_key, run_dir_for
+    from flashckpt_integrations.core.protocol import SPAWN_LOCK_NAME
+
+    state = build(p, seed=0)
+    expected = fingerprint(state)
+    node = "early"
+    lock = os.open(os.path.join(run_dir_for(job_key(p["job"]), job_key(node)[:8]), SPAWN_LOCK_NAME),
+                   os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    release = threading.Timer(EARLY_HOLD_S, lambda: (fcntl.flock(lock, fcntl.LOCK_UN), os.close(lock)))
+    release.start()
+    out: dict[str, Any] = {}
+    ck = Checkpointer(p["ckpt"], job_id=p["job"], shm_dir=p["shm_dir"], node_id=node)
+    say("CONSTRUCTED")
+    try:
+        ck.prepare(state)
+        results = []
+        for step in (1, 2, 3):
+            results.append(ck.save(step, state, persist=True))
+            time.sleep(EARLY_GAP_S)
+        if ck._client.connected:
+            raise RuntimeError("the saver answered before the third save: raise EARLY_HOLD_S")
+        out["early_saves"] = [r.blocking_s for r in results]
+        for r in results:
+            outcome = r.wait(600)
+            if not outcome.committed:
+                raise RuntimeError(f"step {r.step} was not committed: {outcome.error}")
+        out["warm_save_early"] = statistics.median(
+            timed(lambda s=s: ck.save(s, state, persist=False))[0] for s in range(4, 4 + WARM_SAVES))
+        overwrite(state)
+        ck.load(3, target=state, prefer_memory=False)
+        if fingerprint(state) != expected:
+            raise RuntimeError("step 3 loaded from storage differs from what was saved")
+    finally:
+        ck.close()
+        release.join()
+    return out
+
+
+TASKS = {"session": task_session, "early": task_early, "crash": task_crash, "crash_saver": task_crash_saver,
          "crash_restorer": task_crash_restorer, "race": task_race}
 
 
@@ -829,6 +884,14 @@ class Run:
                     self.add(system, metric, float(value))
             got[system] = out
             os.sync()
+            if system == "ours":
+                early = self.run_worker("ours", "early", timeout)
+                slowest = max(early["early_saves"])
+                self.add("ours", "early_save", slowest)
+                self.add("ours", "early_save_ratio", slowest / early["warm_save_early"])
+                self.notes.setdefault("early_saves", []).append(
+                    [round(b / early["warm_save_early"], 2) for b in early["early_saves"]])
+                os.sync()
         if "dlrover" in got:
             for metric in ("warm_save", "first_save", "construct", "first_write", "restore", "restore_crash",
                            "commit", "shm_bytes"):
@@ -911,6 +974,10 @@ def print_report(run: Run) -> None:
         dl = cells.get("dlrover", ("-", "-"))
         print(f"| DISK-then-MEMORY race: step N reached storage | - | {dl[0]} | {cells['ours'][0]} | - |")
         print(f"| DISK-then-MEMORY race: step N+1 in memory | - | {dl[1]} | {cells['ours'][1]} | - |")
+    early = run.samples["ours"].get("early_save_ratio")
+    if early:
+        print(f"| slowest of a job's first three saves, before the saver is up (ours/our warm save; target <= 2) "
+              f"| - | - | {spread(run.samples['ours']['early_save'], secs)} | {spread(early, ratio)} |")
     print_details(run, secs, mem)
 
 
@@ -947,6 +1014,9 @@ def print_details(run: Run, secs: Callable[[float], str], mem: Callable[[float],
         print(f"  dlrover without dlrover-run's agent, restarted after SIGKILL: restored from {crash['source']}"
               f" (correct data: {crash['correct']}); the killed trainer's forked saver was still running after the "
               f"restart: {crash['orphan_saver']} (ended by this run)")
+    if notes.get("early_saves"):
+        print(f"  ours: first three saves before the saver is up, each / the warm save, per repeat: "
+              f"{notes['early_saves']} (the saver held back {EARLY_HOLD_S:.0f} s, saves {EARLY_GAP_S} s apart)")
     for system, trials in notes.get("race", {}).items():
         print(f"  race, {system}: (N on storage, N+1 in memory) per trial: {trials}")
 
