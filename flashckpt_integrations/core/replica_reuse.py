@@ -13,7 +13,9 @@ and after, as every copy here).
 Call order, for one ``push`` (:mod:`.replication`; sender S, receiver R):
 
 1. R, on the announcement: :func:`local_candidates` (its own ranks' complete snapshots of that
-   step). With one, it answers ``accept`` with ``compare``; without, the copy goes whole.
+   step), unless :meth:`LocalCrcs.worth_comparing` says that comparing this sender's rank has
+   lately found nothing. With a candidate, it answers ``accept`` with ``compare``; without, the
+   copy goes whole.
 2. S: :func:`pieces` cuts the snapshot at its tensor regions and checksums each piece in one
    pass, and sends the list; :func:`whole_crc` gives the crc32 of the whole copy from it.
 3. R: :meth:`LocalCrcs.reuse` copies every matching piece from a candidate into the replica
@@ -44,6 +46,8 @@ from .torchzip import crc32_combine
 
 MIN_PIECE = 4 << 10
 """Regions smaller than this travel with the bytes around them (not worth a comparison)."""
+MAX_SKIPPED = 32
+"""The most copies of one sender's rank that go whole, uncompared, after comparisons found nothing."""
 
 
 @dataclass(frozen=True)
@@ -154,14 +158,43 @@ def recv_pieces(recv_into: Callable[[memoryview], None], slot: Slot, parts: list
 
 class LocalCrcs:
     """Checksums of this node's own snapshots, by slot, seq and piece (each read once per snapshot,
-    however many peers' replicas are compared with it). Thread-safe enough: a race computes twice."""
+    however many peers' replicas are compared with it), and what comparing each sender's rank has
+    found so far. Thread-safe enough: a race computes twice.
+
+    A comparison costs a checksum pass over the snapshot on both sides. Where a sender's rank
+    holds bytes that no rank here holds (tensor- or pipeline-parallel peers, or unshared
+    optimizer shards), each comparison that finds nothing makes the next 1, 2, 4, ... up to
+    ``MAX_SKIPPED`` copies of that rank go whole without one (:meth:`worth_comparing`); a
+    comparison that reuses anything starts the count again. Nothing is assumed either way: a
+    skipped comparison only sends bytes that might have been reused.
+    """
 
     def __init__(self) -> None:
         self._crcs: dict[str, tuple[int, dict[tuple[int, int], tuple[int, int]]]] = {}
+        self._misses: dict[tuple[int, int], tuple[int, int]] = {}  # (node, rank) -> (misses in a row, to skip)
 
-    def reuse(self, replica: Slot, parts: list[Piece], candidates: list[str]) -> set[int]:
+    def worth_comparing(self, node: int, rank: int) -> bool:
+        """Whether the next copy of ``rank`` from ``node`` should be compared (see the class)."""
+        misses, skip = self._misses.get((node, rank), (0, 0))
+        if skip:
+            self._misses[(node, rank)] = (misses, skip - 1)
+            return False
+        return True
+
+    def _learn(self, source: tuple[int, int] | None, parts: list[Piece], reused: set[int]) -> None:
+        if source is None:
+            return
+        if reused or not any(piece.reusable for piece in parts):
+            self._misses.pop(source, None)
+            return
+        misses = self._misses.get(source, (0, 0))[0] + 1
+        self._misses[source] = (misses, min(1 << (misses - 1), MAX_SKIPPED))
+
+    def reuse(self, replica: Slot, parts: list[Piece], candidates: list[str],
+              source: tuple[int, int] | None = None) -> set[int]:
         """Copy each reusable piece that a candidate holds (same offset, length and crc32) into
-        ``replica``; the indices copied, or none when a candidate changed while it was read."""
+        ``replica``; the indices copied, or none when a candidate changed while it was read.
+        ``source`` (the sender's node and rank) learns from the outcome (:meth:`worth_comparing`)."""
         reused: set[int] = set()
         opened: list[tuple[Slot, SlotHeader]] = []
         try:
@@ -186,6 +219,7 @@ class LocalCrcs:
                         break
             if not all(same_snapshot(slot.read_header(), header) for slot, header in opened):
                 return set()  # a save began in a candidate meanwhile: the copied bytes are not trusted
+            self._learn(source, parts, reused)
             return reused
         finally:
             for slot, _ in opened:

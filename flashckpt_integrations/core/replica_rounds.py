@@ -204,7 +204,8 @@ class Rounds:
                     continue
                 try:
                     outcome = push_copy(owner, node, connect, slot,
-                                        {"rank": rank, "slot": slot.path, "step": step, "seq": info.seq})
+                                        {"rank": rank, "slot": slot.path, "step": step, "seq": info.seq},
+                                        crc=info.data_crc)  # acquired: sealed and unchanging while sent
                 finally:
                     store.release(slot)
                 if outcome not in ("ok", "held"):

@@ -397,21 +397,25 @@ def chunks(start: int, end: int) -> Iterator[tuple[int, int]]:
         yield offset, min(CHUNK, end - offset)
 
 
-def send_range(sock: Any, slot: Slot, start: int, end: int) -> int:
-    """Stream ``slot[start:end]`` to ``sock`` straight from the mapping; return its crc32.
+def send_range(sock: Any, slot: Slot, start: int, end: int, *, crc: int | None = None) -> int:
+    """Stream ``slot[start:end]`` to ``sock`` straight from the mapping; return its crc32 (``crc``
+    when the caller knows it already: a sealed copy that nothing writes, whose checksum was taken
+    as it was made, is not read a second time).
 
     The caller reads the slot's header before and after (a seqlock): the bytes count only if
     both say the same complete snapshot, so a save that reuses the slot meanwhile is detected and
     the copy discarded; the slot is never locked and a save never waits for a copy.
     """
-    checksum = _Checksum(slot)
+    checksum = _Checksum(slot) if crc is None else None
     try:
         for offset, n in chunks(start, end):
-            checksum.add(offset, n)
+            if checksum is not None:
+                checksum.add(offset, n)
             with slot.memoryview(offset, n) as view:
                 sock.sendall(view)
     finally:
-        crc = checksum.result()
+        if checksum is not None:
+            crc = checksum.result()
     return crc
 
 

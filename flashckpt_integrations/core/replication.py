@@ -336,12 +336,13 @@ class Replication:
         except (KeyError, ValueError, TypeError) as exc:
             channel.send({"accept": False, "reason": f"bad request: {exc}"})
             return
-        candidates = replica_reuse.local_candidates(self.run_dir, step) if replica_reuse.enabled() else []
+        candidates = (replica_reuse.local_candidates(self.run_dir, step)
+                      if replica_reuse.enabled() and self._local_crcs.worth_comparing(node, rank) else [])
         channel.send({"accept": True, "compare": bool(candidates)})
         try:  # TCP guards the transfer; the sender's checksum is kept, and every restore verifies it
             if candidates:  # this node's own snapshots of the step may hold the same bytes
                 parts = [replica_reuse.Piece.from_list(p) for p in channel.recv()["pieces"]]
-                reused = self._local_crcs.reuse(slot, parts, candidates)
+                reused = self._local_crcs.reuse(slot, parts, candidates, source=(node, rank))
                 channel.send({"reused": sorted(reused)})
                 replica_reuse.recv_pieces(channel.recv_into, slot, parts, reused)
             else:
@@ -589,8 +590,10 @@ class _Sender:
         self._failing, self._succeeded = None, True
 
 
-def push_copy(owner: Replication, node: int, connect: Callable[[], Channel], slot: Slot, note: dict[str, Any]) -> str:
-    """Copy the snapshot ``note`` names (rank, step, seq) from ``slot`` to node ``node``'s store.
+def push_copy(owner: Replication, node: int, connect: Callable[[], Channel], slot: Slot, note: dict[str, Any], *,
+              crc: int | None = None) -> str:
+    """Copy the snapshot ``note`` names (rank, step, seq) from ``slot`` to node ``node``'s store;
+    ``crc``: the data's crc32 when known (a sealed kept copy), so that a whole copy is not read twice.
 
     Returns ``"ok"`` (the peer holds it now), ``"held"`` (it did already), ``"overtaken"`` (the
     slot no longer holds it, or took a newer save while it was read: nothing is kept), or
@@ -620,7 +623,7 @@ def push_copy(owner: Replication, node: int, connect: Callable[[], Channel], slo
         sent = replica_reuse.send_pieces(channel.sock, slot, parts, reused)
         crc = replica_reuse.whole_crc(parts)
     else:
-        crc = send_range(channel.sock, slot, HEADER_SIZE, head["nbytes"])
+        crc = send_range(channel.sock, slot, HEADER_SIZE, head["nbytes"], crc=crc)
         sent = head["nbytes"] - HEADER_SIZE
     intact = same_snapshot(header, slot.read_header())
     channel.send({"crc": crc, "intact": intact})

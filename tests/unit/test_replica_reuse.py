@@ -1,6 +1,7 @@
 """Data-parallel reuse for peer replicas (core/replica_reuse.py), on real slots: a replica is
 assembled from the pieces the receiving node's own snapshot holds and the bytes sent for the
-rest, and comes out byte for byte the sender's snapshot; pieces that only look alike are sent."""
+rest, and comes out byte for byte the sender's snapshot; pieces that only look alike are sent;
+a sender's rank whose comparisons find nothing is compared less and less often."""
 
 from __future__ import annotations
 
@@ -50,5 +51,19 @@ def test_a_replica_takes_the_identical_tensors_from_the_local_snapshot(make_chec
     other, _, _ = _snapshot(local, 8, {k: torch.randn(4096) for k in shared} | {"rng": torch.randn(4096),
                                                                                  "step": 8})
     assert LocalCrcs().reuse(replica, parts, [other.path]) == set(), "same shapes, other values: all sent"
+
+    # Comparisons that find nothing are made less and less often; one that reuses starts again.
+    crcs, source_rank = LocalCrcs(), (1, 3)
+    compared = []
+    for copy in range(12):
+        if crcs.worth_comparing(*source_rank):
+            compared.append(copy)
+            assert crcs.reuse(replica, parts, [other.path], source=source_rank) == set()
+    assert compared == [0, 2, 5, 10], "after each miss, 1, 2, 4 ... copies go whole uncompared"
+    assert crcs.worth_comparing(0, 3), "another sender's rank is compared as before"
+    while not crcs.worth_comparing(*source_rank):
+        pass
+    assert crcs.reuse(replica, parts, [mine.path], source=source_rank), "shared tensors found again"
+    assert all(crcs.worth_comparing(*source_rank) for _ in range(3)), "a reuse starts the count again"
     for slot in (source, mine, other, replica):
         slot.close()

@@ -51,6 +51,36 @@ def test_restore_in_place_into_live_tensors(make_checkpointer):
     assert result.state["step"] == 4
 
 
+def test_a_large_restore_copies_on_several_threads_into_the_live_tensors(make_checkpointer):
+    """Above PARALLEL_MIN_BYTES the host copies are split over threads: every tensor (a leaf
+    that requires grad, a tied weight, an optimizer moment) still comes back bit for bit."""
+    from flashckpt_integrations.core.restore import PARALLEL_MIN_BYTES, host_copy_threads
+
+    if host_copy_threads() < 2:
+        pytest.skip("one CPU: the copies run on the calling thread")
+    torch.manual_seed(3)
+    layers = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(24)]  # 96 MiB
+    state = {"model": {f"l{i}": p for i, p in enumerate(layers)} | {"tied": layers[5]},
+             "opt": {f"m{i}": torch.randn(1 << 18) for i in range(8)}, "step": 9}
+    assert sum(p.numel() * 4 for p in layers) > PARALLEL_MIN_BYTES
+    expected = {k: v.detach().clone() for k, v in state["model"].items()} | {
+        k: v.clone() for k, v in state["opt"].items()}
+    ck = make_checkpointer()
+    assert ck.save(9, state, persist=False).ok
+    with torch.no_grad():
+        for p in layers:
+            p.zero_()
+        for m in state["opt"].values():
+            m.fill_(7.0)
+    result = ck.load(target=state)
+    assert result.source == "memory"
+    assert result.state["model"]["l3"] is layers[3] and result.state["model"]["tied"] is layers[5]
+    for key, value in expected.items():
+        live = state["model"].get(key, state["opt"].get(key))
+        assert torch.equal(live, value), key
+    assert all(p.requires_grad and p.grad is None for p in layers)
+
+
 def test_restore_into_mismatched_target_names_the_tensor(make_checkpointer):
     from flashckpt_integrations import LayoutMismatchError
 
