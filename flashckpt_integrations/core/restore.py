@@ -52,17 +52,17 @@ def copy_on_host(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     bandwidth (a second one nearly halves a 1 GiB restore on two cores); ``torch.set_num_threads``
     limits torch's own operators, not these copies, which release the GIL."""
     sizes = [t.numel() * t.element_size() for t, _ in pairs]
-    threads = min(host_copy_threads(), len(pairs))
-    if threads < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
+    total, threads = sum(sizes), min(host_copy_threads(), len(pairs))
+    if threads < 2 or total < PARALLEL_MIN_BYTES:
         _copy_pairs(pairs)
         return
-    share, bounds, running = sum(sizes) / threads, [0], 0
+    share, bounds, running = total / threads, [0], 0
     for index, size in enumerate(sizes):  # contiguous runs of about equal bytes
         running += size
         if running >= share * len(bounds) and len(bounds) < threads:
             bounds.append(index + 1)
     bounds.append(len(pairs))
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
     helpers = [threading.Thread(target=_copy_pairs, args=(pairs[a:b], errors), name="flashckpt-restore", daemon=True)
                for a, b in zip(bounds[1:-1], bounds[2:])]
     for helper in helpers:
@@ -84,12 +84,12 @@ def host_copy_threads() -> int:
         return max(1, min(4, os.cpu_count() or 1))
 
 
-def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], errors: list[BaseException] | None = None) -> None:
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], errors: list[Exception] | None = None) -> None:
     try:
         with torch.no_grad():  # grad mode is per thread
             for target, source in pairs:
                 target.copy_(source)
-    except BaseException as exc:
+    except Exception as exc:  # a helper thread's error is raised on the caller's
         if errors is None:
             raise
         errors.append(exc)
