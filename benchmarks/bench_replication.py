@@ -81,8 +81,8 @@ def worker(args: argparse.Namespace) -> None:
         computed = time.perf_counter()
         dist.barrier()  # the ranks step together, as data-parallel training does
         result = ck.save(step, state, persist=step % args.persist_every == 0 or step == args.steps)
-        record["steps"].append({"step_s": time.perf_counter() - started, "compute_s": computed - started,
-                                "blocking_s": result.blocking_s})
+        record["steps"].append({"step": step, "step_s": time.perf_counter() - started,
+                                "compute_s": computed - started, "blocking_s": result.blocking_s})
     outcome = ck.wait()
     record["committed"] = outcome is not None and outcome.committed
     _write(out, record)
@@ -254,7 +254,7 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"replicas": runs[0]["replicas"], "reuse": runs[0]["reuse"], "s3": runs[0].get("s3", False),
             "repeats": len(runs),
             **{key: _stats([s[key] for s in steps]) for key in ("step_s", "compute_s", "blocking_s")},
-            "loads": loads,
+            "loads": loads, "every_step": steps,
             "sent_share": statistics.median(c["sent"] / c["bytes"] for c in copies) if copies else None,
             "sent_bytes": statistics.median(c["sent"] for c in copies) if copies else None}
 

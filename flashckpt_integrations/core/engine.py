@@ -607,6 +607,10 @@ class Checkpointer(LoadPath):
                 return (others or free)[0], None
             if hold and self._may_hold(hold):
                 return count, None
+            for i in range(count):  # a replication copy that borrowed a slot's lock lets go of it
+                slot = self._slots[i]
+                if slot is not None and locked_by_saver(slot):
+                    slot.want()
             reason = (
                 f"{'both shared-memory slots' if count == 2 else 'the shared-memory slot'} of rank "
                 f"{self.rank} {'are' if count == 2 else 'is'} still being persisted (storage is slower "

@@ -158,10 +158,14 @@ class Rounds:
         return {"ok": True, "step": step, "ranks": sorted(held), "seconds": time.monotonic() - started}
 
     def _copy_own(self, rank: int, slot: Slot, header: SlotHeader) -> str | None:
-        locked = slot.try_lock()  # the trainer leaves a locked slot alone (a persist holds it otherwise)
+        # The trainer leaves a locked slot alone; should it find no other slot free (a persist
+        # holds it), it raises the slot's ``wanted`` and the copy lets go at once.
+        locked = slot.try_lock()
+        asked = slot.wanted()
         try:
-            if not self.owner.store.copy_local(rank, slot, header, self.owner.settings.node_rank, keep=self.kept):
-                return f"rank {rank}'s snapshot of step {header.step} was overwritten while it was copied"
+            if not self.owner.store.copy_local(rank, slot, header, self.owner.settings.node_rank, keep=self.kept,
+                                               give_way=lambda: slot.wanted() != asked):
+                return f"rank {rank}'s snapshot of step {header.step} was overwritten or needed while it was copied"
         except ReplicaSkipped as exc:
             return f"rank {rank}'s kept copy was not taken: {exc}"
         finally:

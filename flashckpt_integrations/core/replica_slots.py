@@ -246,10 +246,11 @@ class ReplicaStore:
             self._writing.discard(rank)
 
     def copy_local(self, rank: int, source: Slot, header: SlotHeader, from_node: int, *,
-                   keep: int | None = None) -> bool:
+                   keep: int | None = None, give_way: Callable[[], bool] | None = None) -> bool:
         """Copy this node's own snapshot ``header`` of rank ``rank`` from its slot ``source`` into
         the store (a replica of the node's own rank, kept for the job's round). False when the
-        slot took a newer save while it was read (the copy is dropped)."""
+        slot took a newer save while it was read, or when ``give_way()`` turned true between two
+        pieces (a save waits for the slot): the copy is dropped."""
         head = head_of(header)
         try:
             slot = self.begin(rank, header.step, header.seq, header.meta_crc, head["nbytes"], keep=keep)
@@ -259,11 +260,15 @@ class ReplicaStore:
             raise
         try:
             crc = 0
+            intact = True
             for offset, n in chunks(HEADER_SIZE, head["nbytes"]):
+                if give_way is not None and give_way():
+                    intact = False
+                    break
                 with source.memoryview(offset, n) as src, slot.memoryview(offset, n) as dst:
                     dst[:] = src
                     crc = zlib.crc32(dst, crc)
-            intact = same_snapshot(header, source.read_header())
+            intact = intact and same_snapshot(header, source.read_header())
         except BaseException:
             self.abandon(slot, rank)
             raise

@@ -566,6 +566,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _lower_session(nice: int) -> None:
+    """Put the saver's session below the trainers too, where the kernel schedules by session.
+
+    With autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by default in many
+    distributions) a niceness orders threads only within their session, and each session gets an
+    equal share of a busy CPU: a saver in a session of its own (it is started with one, to outlive
+    a trainer's process group) would take as much CPU as all of a node's trainers together, nice or
+    not. Its session's own niceness is lowered as well, only when the saver leads that session.
+    """
+    if nice <= 0 or os.getsid(0) != os.getpid():
+        return
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError as exc:  # no autogroup in this kernel (or in this cgroup): niceness alone holds
+        logger.debug("session niceness not set: %s", exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="flashckpt node saver (started by the trainers)")
     parser.add_argument("--run-dir", required=True)
@@ -579,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     # Below the trainers: persisting is background work and must not slow the training steps down.
     # (Set before any thread starts: threads inherit it.)
     with contextlib.suppress(OSError, ValueError):
-        os.nice(int(knobs.get(knobs.SAVER_NICE, "10")))
+        nice = int(knobs.get(knobs.SAVER_NICE, "10"))
+        os.nice(nice)
+        _lower_session(nice)
 
     lock_fd = _lock_run_dir(args.run_dir)
     if lock_fd is None:

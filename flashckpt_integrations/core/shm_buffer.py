@@ -16,6 +16,8 @@ that describes them sits after the data::
     56      8     persist_req: the seq the trainer asked the saver to persist
     64      8     persist_done: the seq the saver finished persisting (ok or failed)
     72      8     copied: how many regions of the snapshot being written are in place
+    80      8     wanted: raised by a trainer that waits for this slot (a copy that only borrows
+                  the slot's lock lets go of it)
 
 A persist may start while the slot is still being written (the saver streams each region to
 storage once ``copied`` says it is in place); it is finished only once the slot is complete.
@@ -64,6 +66,7 @@ _OFF_STATE = 12
 _OFF_PERSIST_REQ = 56
 _OFF_PERSIST_DONE = 64
 _OFF_COPIED = 72
+_OFF_WANTED = 80
 _U64 = struct.Struct("<q")
 _U32 = struct.Struct("<I")
 GROWTH = 1.04
@@ -357,6 +360,14 @@ class Slot:
     def seal(self) -> None:
         """Mark the slot complete: from here on it is loadable."""
         _U32.pack_into(self._mm, _OFF_STATE, SlotState.COMPLETE)
+
+    def want(self) -> None:
+        """Say that a save waits for this slot: a replication copy holding its lock gives it up."""
+        _U64.pack_into(self._mm, _OFF_WANTED, self.wanted() + 1)
+
+    def wanted(self) -> int:
+        """How often a save asked for this slot (compare two readings: a change means one waits)."""
+        return _U64.unpack_from(self._mm, _OFF_WANTED)[0]
 
     def mark_persist_requested(self, seq: int) -> None:
         _U64.pack_into(self._mm, _OFF_PERSIST_REQ, seq)

@@ -1,0 +1,69 @@
+"""Replication rounds and the trainer, on real slots: a round's copy of a trainer's slot never
+keeps a save waiting."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from flashckpt_integrations.core import replica_slots
+from flashckpt_integrations.core.replica_rounds import Rounds
+from flashckpt_integrations.core.replica_slots import ReplicaStore
+from flashckpt_integrations.core.shm_buffer import Slot
+
+
+def test_a_save_that_needs_the_slot_a_round_copies_takes_it_at_once(make_checkpointer, private_shm_dir,
+                                                                     monkeypatch):
+    state = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(8)}  # 32 MiB
+    ck = make_checkpointer(busy_timeout_s=20.0)
+    for step in (1, 2):
+        assert ck.save(step, state, persist=False).ok
+        assert ck.wait_for_snapshot() is None
+    newest, other = ck._newest_index(), 1 - ck._newest_index()
+
+    # The other slot is held as a persist holds it; a round copies the newest, slowly (small pieces).
+    persist_fd = os.open(ck.slot_paths[other], os.O_RDWR)
+    fcntl.flock(persist_fd, fcntl.LOCK_EX)
+    real_chunks, pieces_copied = replica_slots.chunks, []
+
+    def slow_chunks(start, end):
+        for offset in range(start, end, 1 << 16):
+            pieces_copied.append(offset)
+            time.sleep(0.005)  # 512 pieces: 2.5 s at least for the whole copy
+            yield offset, min(1 << 16, end - offset)
+
+    monkeypatch.setattr(replica_slots, "chunks", slow_chunks)
+    store = ReplicaStore(private_shm_dir, "roundjob")
+    rounds = Rounds(SimpleNamespace(store=store, settings=SimpleNamespace(node_rank=0)))
+    source = Slot.attach(ck.slot_paths[newest])
+    copied: list[str | None] = []
+    copier = threading.Thread(target=lambda: copied.append(rounds._copy_own(0, source, source.read_header())))
+    try:
+        copier.start()
+        while len(pieces_copied) < 5:  # the copy holds the slot's lock now
+            time.sleep(0.001)
+        for tensor in state.values():
+            tensor.add_(1)
+        result = ck.save(3, state, persist=False)
+        pieces_at_save = len(pieces_copied)
+        copier.join(30)
+    finally:
+        monkeypatch.setattr(replica_slots, "chunks", real_chunks)
+        fcntl.flock(persist_fd, fcntl.LOCK_UN)
+        os.close(persist_fd)
+
+    assert result.ok, f"the save waited for the round's copy until it gave up: {result}"
+    assert pieces_at_save < 256, "the copy let go of the slot before it was half done"
+    assert copied and copied[0] is not None and "needed" in copied[0], copied
+    assert not [info for info in store.held(0) if info.step == 2], "the copy it gave up is not kept"
+    assert ck.wait_for_snapshot() is None
+    loaded = ck.load(target={k: torch.zeros_like(v) for k, v in state.items()})
+    assert loaded.step == 3 and all(torch.equal(loaded.state[k], state[k]) for k in state), \
+        "the save went into the slot the copy let go of, whole"
+    source.close()
+    store.close()
