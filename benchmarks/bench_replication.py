@@ -82,13 +82,25 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()  # the ranks step together, as data-parallel training does
         result = ck.save(step, state, persist=step % args.persist_every == 0 or step == args.steps)
         record["steps"].append({"step": step, "step_s": time.perf_counter() - started,
-                                "compute_s": computed - started, "blocking_s": result.blocking_s})
+                                "compute_s": computed - started, "blocking_s": result.blocking_s,
+                                "kept": _kept_step(ck.run_dir) if args.replicas else None})
     outcome = ck.wait()
     record["committed"] = outcome is not None and outcome.committed
     _write(out, record)
     open(os.path.join(args.out, f"done-{rank}"), "w").close()
     while True:  # the orchestrator kills the node
         time.sleep(1)
+
+
+def _kept_step(run_dir: str) -> int | None:
+    """The step every node keeps in memory, as the node's saver last reported it (None: none yet)."""
+    from flashckpt_integrations.core.replication import STATUS_FILE
+
+    try:
+        with open(os.path.join(run_dir, STATUS_FILE)) as f:
+            return json.load(f).get("kept", {}).get("step")
+    except (OSError, ValueError):
+        return None
 
 
 def _write(path: str, record: dict[str, Any]) -> None:
@@ -251,10 +263,13 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         loads.append({"seconds": statistics.median(s["seconds"] for s in samples), "source": samples[0]["source"],
                       "fetched": {"seconds": statistics.median(fetches)} if fetches else None, "samples": samples})
     copies = [c for run in runs for c in run["copies"] if c.get("bytes")]
+    behind = [s["step"] - s["kept"] if s.get("kept") is not None else None for s in steps]
     return {"replicas": runs[0]["replicas"], "reuse": runs[0]["reuse"], "s3": runs[0].get("s3", False),
             "repeats": len(runs),
             **{key: _stats([s[key] for s in steps]) for key in ("step_s", "compute_s", "blocking_s")},
             "loads": loads, "every_step": steps,
+            "kept_behind": _stats([b for b in behind if b is not None]) if any(b is not None for b in behind) else None,
+            "kept_none": sum(b is None for b in behind) / len(behind),
             "sent_share": statistics.median(c["sent"] / c["bytes"] for c in copies) if copies else None,
             "sent_bytes": statistics.median(c["sent"] for c in copies) if copies else None}
 
@@ -336,6 +351,11 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(f"{'sent per snapshot (newest copy)':34}" + "".join(
         f"{'-':>22}" if r["sent_bytes"] is None else f"{r['sent_bytes'] / 2**20:>12.2f} MiB ({r['sent_share']:.2%})"
         for r in results))
+    print(f"{'kept step: steps behind, median/p90':34}" + "".join(
+        f"{'-':>22}" if r["kept_behind"] is None else
+        f"{r['kept_behind']['median']:>12.0f} / {r['kept_behind']['p90']:<5.0f}   " for r in results))
+    print(f"{'  steps with no kept step yet':34}" + "".join(
+        f"{'-':>22}" if r["kept_behind"] is None else f"{r['kept_none']:>22.1%}" for r in results))
     print("restore after node 1 was replaced (its memory gone, the checkpoint files not in its page cache):")
     for rank, (a, b) in enumerate(zip(off["loads"], on["loads"])):
         node = rank // args.nproc

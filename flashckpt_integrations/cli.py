@@ -211,6 +211,11 @@ def _print_nodes(nodes: list[dict[str, Any]], status: list[dict[str, Any]]) -> N
                 tail = f"  (from node {', '.join(map(str, sorted(origin)))})" if origin else ""
                 print(f"    {'local' if kind == 'local' else 'replica':<7} rank {rank:>4}  steps {steps}{tail}")
     for saver in status:
+        kept = saver.get("kept")
+        if kept and saver.get("node_rank") == 0:
+            rounds = saver.get("rounds") or {}
+            print(f"  kept in memory on every node: step {kept['step']} ({time.time() - kept['time']:.0f} s ago; "
+                  f"rounds kept {rounds.get('kept', 0)}, not kept {rounds.get('not_kept', 0)})")
         for rank, sent in sorted(saver.get("sent", {}).items(), key=lambda item: int(item[0])):
             for node, outcome in sorted(sent.items()):
                 told = "ok" if outcome.get("ok") else f"failed: {outcome.get('reason')}"

@@ -45,6 +45,10 @@ from its own ranks' snapshots (see ``core/replica_reuse.py``; default on)."""
 REPLICA_DUTY = "FLASHCKPT_REPLICA_DUTY"
 """The share of the time a saver's copies to one peer may take, in (0, 1] (default 0.1): after a
 copy of ``d`` seconds the next waits ``d * (1 / duty - 1)``; 1 copies back to back."""
+REPLICA_CPU = "FLASHCKPT_REPLICA_CPU"
+"""The share of a node's CPU time replication rounds may take, in (0, 1] (default 0.01): a round
+whose copies cost its busiest node ``c`` CPU seconds is followed by one no sooner than
+``c / (share * CPUs)`` seconds later (and no sooner than ``FLASHCKPT_REPLICA_DUTY`` allows)."""
 REPLICA_ROUNDS = "FLASHCKPT_REPLICA_ROUNDS"
 """``0``: each saver copies the newest snapshot of each of its ranks on its own, with no step kept
 in common (see ``core/replica_rounds.py``; default on: job-wide rounds led by node 0's saver)."""

@@ -15,12 +15,13 @@ Call order:
 
 1. :class:`Rounds` is made by :class:`~.replication.Replication` when replication starts;
    :meth:`Rounds.start` starts the leader thread on node 0's saver.
-2. The leader (:meth:`Rounds._lead`), at most ``duty`` of the time (:func:`.replication.copy_duty`):
-   ``after`` = the newest step every rank of its node has sealed.
+2. The leader (:meth:`Rounds._lead`), at most ``duty`` of the time (:func:`.replication.copy_duty`),
+   once every rank of its node has sealed a step newer than the kept one; ``after`` = that step + 1.
    - ``round_snap`` asks every node's saver (its own directly, the others on the peer channel)
-     to copy its ranks' snapshots of the smallest step >= ``after`` that all of them hold into
-     its store (:meth:`Rounds.snap`) and to say which step that was; when the nodes answer
-     different steps the round starts again from the newest of them.
+     to copy its ranks' snapshots of one step >= ``after`` that all of them hold into its store
+     (:meth:`Rounds.snap`: the newest being persisted, whose slots no save writes meanwhile, else
+     the newest) and to say which step that was; when the nodes answer different steps the
+     round starts again from the newest of them.
    - ``round_send``: every node copies those copies to its placement targets (:meth:`Rounds.send`).
    - When every node answered ok, ``round_kept`` gives every node the new kept step
      (:meth:`Rounds.keep`; each ``round_snap`` carries it as well).
@@ -45,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .. import knobs
+from .._utils.cpus import affinity_cpus
 from ..errors import CorruptCheckpointError, SharedMemoryError
 from . import peers
 from .protocol import SLOTS_FILE
@@ -98,6 +100,15 @@ def _complete(path: str) -> tuple[Slot, SlotHeader] | None:
     return slot, header
 
 
+def _steadiest(steps: list[int], held: dict[int, dict[int, tuple[Slot, SlotHeader]]]) -> int:
+    """Of ``steps`` (held by every rank of the node), the one a slow copy most likely reads to the
+    end: the newest that the job persists (its slots are locked while the saver writes them, and
+    every node persists the same steps, so every node takes the same one), else the newest (the
+    trainer writes its next save into the other slot)."""
+    persisted = [s for s in steps if all(h.persist_req == h.seq for _, h in (by_step[s] for by_step in held.values()))]
+    return max(persisted or steps)
+
+
 class Rounds:
     """The rounds of one saver (see the module docstring)."""
 
@@ -108,6 +119,8 @@ class Rounds:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_s = 1.0
+        self._tally = {"kept": 0, "not_kept": 0}  # the leader's rounds
+        self._spent: dict[int, float] = {}  # CPU seconds each node spent on the round in progress
 
     def start(self) -> None:
         if self.owner.settings.node_rank == 0 and self.owner.settings.nnodes > 1:
@@ -120,11 +133,12 @@ class Rounds:
     # --- every node ------------------------------------------------------------------------
 
     def snap(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Copy this node's ranks' snapshots of one step >= ``after`` into the store; the step."""
+        """Copy this node's ranks' snapshots of one step >= ``after`` into the store; the step
+        (:func:`_steadiest` of those every rank holds)."""
         if message.get("kept") is not None:
             self.keep({"step": message["kept"]})
         after = int(message["after"])
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         with self._lock:
             ranks = local_slots(self.owner.run_dir)
             if not ranks:
@@ -145,31 +159,39 @@ class Rounds:
                     newest = max((max(s) for s in held.values() if s), default=None)
                     return {"ok": False, "newest": newest,
                             "error": f"no step >= {after} is held by every rank of this node ({sorted(common)})"}
-                step = steps[0]
+                step = _steadiest(steps, held)
                 for rank, by_step in held.items():
                     slot, header = by_step[step]
                     error = self._copy_own(rank, slot, header)
                     if error is not None:
-                        return {"ok": False, "error": error, "newest": step + 1}
+                        return {"ok": False, "error": error, "newest": step + 1, "cpu_s": time.thread_time() - cpu}
             finally:
                 for by_step in held.values():
                     for slot, _ in by_step.values():
                         slot.close()
-        return {"ok": True, "step": step, "ranks": sorted(held), "seconds": time.monotonic() - started}
+        return {"ok": True, "step": step, "ranks": sorted(held), "seconds": time.monotonic() - started,
+                "cpu_s": time.thread_time() - cpu}
 
     def _copy_own(self, rank: int, slot: Slot, header: SlotHeader) -> str | None:
-        # The trainer leaves a locked slot alone; should it find no other slot free (a persist
-        # holds it), it raises the slot's ``wanted`` and the copy lets go at once.
-        locked = slot.try_lock()
+        """Copy one slot into the store, holding its lock (no save writes a locked slot) from the
+        first piece that finds it free: a persist may hold it at first. A save that finds no other
+        slot free raises the slot's ``wanted``, and the copy lets go at once (it is dropped)."""
+        locked = [slot.try_lock()]
         asked = slot.wanted()
+
+        def give_way() -> bool:
+            if not locked[0]:
+                locked[0] = slot.try_lock()
+            return locked[0] and slot.wanted() != asked
+
         try:
             if not self.owner.store.copy_local(rank, slot, header, self.owner.settings.node_rank, keep=self.kept,
-                                               give_way=lambda: slot.wanted() != asked):
+                                               give_way=give_way):
                 return f"rank {rank}'s snapshot of step {header.step} was overwritten or needed while it was copied"
         except ReplicaSkipped as exc:
             return f"rank {rank}'s kept copy was not taken: {exc}"
         finally:
-            if locked:
+            if locked[0]:
                 slot.unlock()
         return None
 
@@ -178,10 +200,12 @@ class Rounds:
         step = int(message["step"])
         ranks = sorted(local_slots(self.owner.run_dir))
         errors: list[str] = []
+        cpu = time.thread_time()
         with self._lock:
             for node in self.owner.targets():
                 errors += self._send_to(node, ranks, step)
-        return {"ok": False, "error": "; ".join(errors)} if errors else {"ok": True}
+        cpu = time.thread_time() - cpu
+        return {"ok": False, "error": "; ".join(errors), "cpu_s": cpu} if errors else {"ok": True, "cpu_s": cpu}
 
     def _send_to(self, node: int, ranks: list[int], step: int) -> list[str]:
         from .replication import SEND_TIMEOUT_S, push_copy
@@ -223,26 +247,38 @@ class Rounds:
 
     def keep(self, message: dict[str, Any]) -> dict[str, Any]:
         """The job's kept step: no store write overwrites its copies until a newer one is kept."""
-        self.kept = int(message["step"])
+        step = int(message["step"])
+        if step != self.kept:
+            self.kept = step
+            self.owner._update_status(kept={"step": step, "time": round(time.time(), 3)})
         return {"ok": True}
 
     # --- the leader (node 0) ---------------------------------------------------------------
 
     def _lead(self) -> None:
-        from .replication import copy_duty
+        from .replication import copy_duty, cpu_share
 
         duty = copy_duty()
+        cpu_budget = cpu_share() * affinity_cpus()
         next_at = 0.0
         while not self._stop.wait(POLL_S if time.monotonic() >= next_at else next_at - time.monotonic()):
             try:
-                after = self._newest_local()
-                if after is None or (self.kept is not None and after <= self.kept):
+                newest = self._newest_local()
+                if newest is None or (self.kept is not None and newest <= self.kept):
                     continue
-                started = time.monotonic()
-                kept = self._round(after)
+                started, self._spent = time.monotonic(), {}
+                kept = self._round(0 if self.kept is None else self.kept + 1)
                 elapsed = time.monotonic() - started
                 self._last_s = elapsed
-                next_at = time.monotonic() + (elapsed * (1 / duty - 1) if kept is not None else max(1.0, elapsed))
+                # A failed round cost its copies too. Copies take at most ``duty`` of the time, and
+                # the CPU time the busiest node spent on them at most ``cpu_share`` of its CPUs.
+                pause = max(elapsed * (1 / duty - 1), max(self._spent.values(), default=0.0) / cpu_budget)
+                next_at = time.monotonic() + (pause if kept is not None else max(1.0, pause))
+                logger.debug("replication round %s in %.2fs; %.2f CPU s on the busiest node; the next in %.1fs",
+                             "not kept" if kept is None else f"kept step {kept}", elapsed,
+                             max(self._spent.values(), default=0.0), next_at - time.monotonic())
+                self._tally["kept" if kept is not None else "not_kept"] += 1
+                self.owner._update_status(rounds=dict(self._tally))
             except Exception as exc:  # a round that cannot run is tried again later
                 logger.warning("replication round failed: %s: %s", type(exc).__name__, exc)
                 next_at = time.monotonic() + 1.0
@@ -268,9 +304,11 @@ class Rounds:
         records = peers.read_peers(self.owner.storage(), settings.job)
         nodes = list(range(settings.nnodes))
         if any(n not in records for n in nodes if n != settings.node_rank):
-            return None  # a node's saver is not up yet
+            logger.debug("replication round: nodes %s have published no saver yet", sorted(set(nodes) - set(records)))
+            return None
         for _ in range(RETRIES):
             answers = self._ask_all(records, nodes, {"op": "round_snap", "after": after, "kept": self.kept})
+            self._spend(answers)
             steps = {a["step"] for a in answers.values() if a.get("ok")}
             if all(a.get("ok") for a in answers.values()) and len(steps) == 1:
                 break
@@ -281,9 +319,12 @@ class Rounds:
                 return None
             after = newest  # the nodes took different steps: again, from the newest of them
         else:
+            logger.debug("replication round from step %d: the nodes took different steps %d times: %s", after,
+                         RETRIES, answers)
             return None
         step = steps.pop()
         answers = self._ask_all(records, nodes, {"op": "round_send", "step": step})
+        self._spend(answers, 2.0)  # what each node's peers spent receiving it: about as much
         failed = {n: a.get("error") for n, a in answers.items() if not a.get("ok")}
         if failed:
             logger.info("replication round of step %d is not kept: %s", step, failed)
@@ -291,6 +332,12 @@ class Rounds:
         self._ask_all(records, nodes, {"op": "round_kept", "step": step})
         logger.debug("step %d is kept in memory on every node", step)
         return step
+
+    def _spend(self, answers: dict[int, dict[str, Any]], factor: float = 1.0) -> None:
+        for node, answer in answers.items():
+            spent = answer.get("cpu_s")
+            if isinstance(spent, (int, float)):
+                self._spent[node] = self._spent.get(node, 0.0) + factor * spent
 
     def _ask_all(self, records: dict[int, peers.PeerRecord], nodes: list[int],
                  message: dict[str, Any]) -> dict[int, dict[str, Any]]:

@@ -249,8 +249,8 @@ class ReplicaStore:
                    keep: int | None = None, give_way: Callable[[], bool] | None = None) -> bool:
         """Copy this node's own snapshot ``header`` of rank ``rank`` from its slot ``source`` into
         the store (a replica of the node's own rank, kept for the job's round). False when the
-        slot took a newer save while it was read, or when ``give_way()`` turned true between two
-        pieces (a save waits for the slot): the copy is dropped."""
+        slot takes a newer save while it is read, or when ``give_way()`` turns true (a save waits
+        for the slot): the copy stops at the next piece and is dropped."""
         head = head_of(header)
         try:
             slot = self.begin(rank, header.step, header.seq, header.meta_crc, head["nbytes"], keep=keep)
@@ -262,7 +262,7 @@ class ReplicaStore:
             crc = 0
             intact = True
             for offset, n in chunks(HEADER_SIZE, head["nbytes"]):
-                if give_way is not None and give_way():
+                if (give_way is not None and give_way()) or not same_snapshot(header, source.read_header()):
                     intact = False
                     break
                 with source.memoryview(offset, n) as src, slot.memoryview(offset, n) as dst:

@@ -477,6 +477,20 @@ def copy_duty() -> float:
     return duty
 
 
+def cpu_share() -> float:
+    """The share of a node's CPU time its saver's replication rounds may take (``$FLASHCKPT_REPLICA_CPU``,
+    default 0.01): on a node whose CPUs all train, what replication costs the training steps."""
+    value = knobs.get(knobs.REPLICA_CPU, "0.01")
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        logger.error("%s=%r must be a number in (0, 1]; using 0.01", knobs.REPLICA_CPU, value)
+        return 0.01
+    return share
+
+
 class _Sender:
     """Streams the newest sealed snapshot of each rank to one peer node, on its own thread.
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .._utils.cpus import affinity_cpus
 from .._utils.devices import synchronize_current
 from ..errors import LayoutMismatchError
 from .state import FileSpec
@@ -78,10 +78,7 @@ def copy_on_host(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def host_copy_threads() -> int:
     """The threads a host restore copies with: the CPUs this process may run on, at most 4."""
-    try:
-        return max(1, min(4, len(os.sched_getaffinity(0))))
-    except (AttributeError, OSError):
-        return max(1, min(4, os.cpu_count() or 1))
+    return min(4, affinity_cpus())
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], errors: list[Exception] | None = None) -> None:

@@ -50,6 +50,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from .._utils.cpus import affinity_cpus
+
 logger = logging.getLogger(__name__)
 
 NNODES, NPROC_PER_NODE, NODE_RANK, MASTER_ADDR, MASTER_PORT = (
@@ -311,7 +313,7 @@ def _npu_count() -> int:
 
 def cpu_slots(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> LocalDevices:
     """CPUs in this process's affinity mask, capped by the cgroup CPU quota (rounded down, at least 1)."""
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    affinity = affinity_cpus()
     quota = cgroup_cpu_limit(cgroup_root, proc_cgroup)
     if quota is None or quota >= affinity:
         return LocalDevices("cpu", affinity, f"{affinity} CPUs in the affinity mask")
