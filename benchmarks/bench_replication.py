@@ -133,9 +133,22 @@ def _launch(args: argparse.Namespace, ckpt: str, out: str, shm: list[str], repli
                *(["--data-parallel"] if args.data_parallel else [])]
         env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_NODE_ID": f"bench-node{node}",
                "FLASHCKPT_SHM_DIR": shm[node], "FLASHCKPT_REPLICA_REUSE": "1" if reuse else "0"}
+        cpus = _node_cpus(args.cpus_per_node, node)
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+                                      start_new_session=True,
+                                      preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None))
     return procs
+
+
+def _node_cpus(per_node: int, node: int) -> set[int]:
+    """The CPUs node ``node``'s processes (agent, ranks, saver) run on; empty: wherever they like."""
+    if per_node <= 0:
+        return set()
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2 * per_node:
+        raise SystemExit(f"--cpus-per-node {per_node} needs {2 * per_node} CPUs; this process may use "
+                         f"{len(available)}. Pass a smaller value, or 0 to share them.")
+    return set(available[node * per_node:(node + 1) * per_node])
 
 
 def _records(out: str, world: int) -> list[dict[str, Any]]:
@@ -288,6 +301,9 @@ def main() -> None:
     parser.add_argument("--persist-every", type=int, default=10, help="persist every N steps (default 10)")
     parser.add_argument("--matmuls", type=int, default=60, help="256x256 matmuls per step: the compute (default 60)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each case, alternating (default 3)")
+    parser.add_argument("--cpus-per-node", type=int, default=max(0, len(os.sched_getaffinity(0)) // 2),
+                        help="CPUs of each simulated node, its own (default: half of them each; 0: both nodes "
+                             "share every CPU)")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the two nodes' shared memory goes")
     parser.add_argument("--json", default=None, help="also write the results as JSON to this file")
@@ -336,7 +352,9 @@ def main() -> None:
 def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     off, on = results[:2]
     print(f"{args.mib} MiB per rank, 2 nodes x {args.nproc} rank(s), {args.steps} steps, a memory snapshot every "
-          f"step, persisted every {args.persist_every}; {os.cpu_count()} CPU cores; medians of {args.repeats} runs"
+          f"step, persisted every {args.persist_every}; "
+          + (f"{args.cpus_per_node} CPU(s) of its own per node" if args.cpus_per_node else
+             f"{len(os.sched_getaffinity(0))} CPUs shared by both nodes") + f"; medians of {args.repeats} runs"
           + ("; every rank holds the same state" if args.data_parallel else ""))
     names = [f"replicas={r['replicas']}" + ("" if r["reuse"] else ", no reuse") + (", S3" if r["s3"] else "")
              for r in results]

@@ -103,6 +103,8 @@ class SaverClient:
         self.start_timeout = start_timeout
         self.hello = dict(hello or {})
         """Sent with every hello, so that a restarted saver learns it again (e.g. ``replication``)."""
+        self.replica_pushes = True
+        """Whether the saver wants each sealed slot offered for its peers (its answer to the hello)."""
         self._connect_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
@@ -163,6 +165,7 @@ class SaverClient:
             self._disconnect()
             return False
         self.saver_pid = reply.get("pid")
+        self.replica_pushes = bool(reply.get("replica_pushes", True))
         return True
 
     def _spawn_if_absent(self) -> bool:

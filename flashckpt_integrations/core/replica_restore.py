@@ -89,8 +89,8 @@ class ReplicaHook:
     # --- saving ----------------------------------------------------------------------------
 
     def sealed(self, path: str, step: int, seq: int) -> None:
-        """Offer a sealed snapshot to the peers (returns at once)."""
-        if self._notify is not None:
+        """Offer a sealed snapshot to the peers (returns at once; not when the saver runs rounds)."""
+        if self._notify is not None and self.ck._client.replica_pushes:
             with contextlib.suppress(RuntimeError):  # the interpreter is exiting: no more offers
                 self._notify.submit(self._send, {"op": "replica_push", "rank": self.ck.rank, "slot": path,
                                                  "step": step, "seq": seq})

@@ -174,9 +174,10 @@ class Rounds:
 
     def _copy_own(self, rank: int, slot: Slot, header: SlotHeader) -> str | None:
         """Copy one slot into the store, holding its lock (no save writes a locked slot) from the
-        first piece that finds it free: a persist may hold it at first. A save that finds no other
-        slot free raises the slot's ``wanted``, and the copy lets go at once (it is dropped)."""
-        locked = [slot.try_lock()]
+        first piece that finds it free (a persist may hold it at first) until its bytes are
+        copied. A save that finds no other slot free raises the slot's ``wanted``, and the copy
+        lets go at once (it is dropped)."""
+        locked = [False]
         asked = slot.wanted()
 
         def give_way() -> bool:
@@ -184,15 +185,19 @@ class Rounds:
                 locked[0] = slot.try_lock()
             return locked[0] and slot.wanted() != asked
 
+        def let_go() -> None:
+            if locked[0]:
+                locked[0] = False
+                slot.unlock()
+
         try:
             if not self.owner.store.copy_local(rank, slot, header, self.owner.settings.node_rank, keep=self.kept,
-                                               give_way=give_way):
+                                               give_way=give_way, let_go=let_go):
                 return f"rank {rank}'s snapshot of step {header.step} was overwritten or needed while it was copied"
         except ReplicaSkipped as exc:
             return f"rank {rank}'s kept copy was not taken: {exc}"
         finally:
-            if locked[0]:
-                slot.unlock()
+            let_go()
         return None
 
     def send(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -246,11 +246,17 @@ class ReplicaStore:
             self._writing.discard(rank)
 
     def copy_local(self, rank: int, source: Slot, header: SlotHeader, from_node: int, *,
-                   keep: int | None = None, give_way: Callable[[], bool] | None = None) -> bool:
+                   keep: int | None = None, give_way: Callable[[], bool] | None = None,
+                   let_go: Callable[[], None] | None = None) -> bool:
         """Copy this node's own snapshot ``header`` of rank ``rank`` from its slot ``source`` into
         the store (a replica of the node's own rank, kept for the job's round). False when the
         slot takes a newer save while it is read, or when ``give_way()`` turns true (a save waits
-        for the slot): the copy stops at the next piece and is dropped."""
+        for the slot): the copy stops at the next piece and is dropped.
+
+        The store's slot is made (and its pages faulted in) before the first ``give_way()``,
+        which may take the source's lock, and ``let_go()`` is called as soon as the bytes are
+        copied: the source is held for one memory copy, and the copy's crc32 is taken from the
+        store's private copy afterwards."""
         head = head_of(header)
         try:
             slot = self.begin(rank, header.step, header.seq, header.meta_crc, head["nbytes"], keep=keep)
@@ -259,7 +265,6 @@ class ReplicaStore:
                 return True
             raise
         try:
-            crc = 0
             intact = True
             for offset, n in chunks(HEADER_SIZE, head["nbytes"]):
                 if (give_way is not None and give_way()) or not same_snapshot(header, source.read_header()):
@@ -267,8 +272,14 @@ class ReplicaStore:
                     break
                 with source.memoryview(offset, n) as src, slot.memoryview(offset, n) as dst:
                     dst[:] = src
-                    crc = zlib.crc32(dst, crc)
             intact = intact and same_snapshot(header, source.read_header())
+            if let_go is not None:
+                let_go()
+            crc = 0
+            if intact:
+                for offset, n in chunks(HEADER_SIZE, head["nbytes"]):
+                    with slot.memoryview(offset, n) as view:
+                        crc = zlib.crc32(view, crc)
         except BaseException:
             self.abandon(slot, rank)
             raise

@@ -226,6 +226,11 @@ class Replication:
             logger.warning("%s for rank %s failed: %s", request.get("op"), request.get("rank"), exc)
             conn.send({"id": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
 
+    def wants_pushes(self) -> bool:
+        """Whether the ranks should offer each sealed slot (``replica_push``): not with rounds,
+        which copy the steps they keep themselves."""
+        return self.enabled and self.rounds is None
+
     def offer(self, note: dict[str, Any]) -> None:
         """Queue rank ``note["rank"]``'s sealed slot for every peer (a newer one replaces it)."""
         note = {k: note[k] for k in ("rank", "slot", "step", "seq")}
@@ -516,6 +521,11 @@ class _Sender:
         """The kind of the failures since the last copy that worked (None: it worked)."""
         self._succeeded = False
         threading.Thread(target=self._run, name=f"replica-to-node{node}", daemon=True).start()
+
+    def wants_pushes(self) -> bool:
+        """Whether the ranks should offer each sealed slot (``replica_push``): not with rounds,
+        which copy the steps they keep themselves."""
+        return self.enabled and self.rounds is None
 
     def offer(self, note: dict[str, Any]) -> None:
         with self._cond:

@@ -249,7 +249,7 @@ class Saver:
             self.closed_clean.discard(conn.rank)
             if request.get("replication"):
                 self.replication.configure(request["replication"])
-            conn.send({"id": rid, "ok": True, "pid": os.getpid()})
+            conn.send({"id": rid, "ok": True, "pid": os.getpid(), "replica_pushes": self.replication.wants_pushes()})
         elif op == "ping":
             conn.send({"id": rid, "ok": True, "pid": os.getpid()})
         elif op == "close":
