@@ -67,3 +67,60 @@ def test_a_save_that_needs_the_slot_a_round_copies_takes_it_at_once(make_checkpo
         "the save went into the slot the copy let go of, whole"
     source.close()
     store.close()
+
+
+def test_a_round_holds_the_trainers_slot_for_the_copy_only_and_checksums_its_own(make_checkpointer,
+                                                                               private_shm_dir, monkeypatch):
+    state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(8)}  # 8 MiB
+    ck = make_checkpointer()
+    assert ck.save(1, state, persist=False).ok
+    assert ck.wait_for_snapshot() is None
+    path = ck.slot_paths[ck._newest_index()]
+
+    def slot_locked() -> bool:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    real_crc32, locked_while_summing, copying = replica_slots.zlib.crc32, [], []
+    real_chunks = replica_slots.chunks
+
+    def watched_chunks(start, end):
+        for piece in real_chunks(start, end):
+            copying.append(slot_locked())
+            yield piece
+
+    def watched_crc32(data, value=0):
+        locked_while_summing.append(slot_locked())
+        return real_crc32(data, value)
+
+    monkeypatch.setattr(replica_slots, "chunks", watched_chunks)
+    monkeypatch.setattr(replica_slots.zlib, "crc32", watched_crc32)
+    store = ReplicaStore(private_shm_dir, ck.job_key)
+    rounds = Rounds(SimpleNamespace(store=store, settings=SimpleNamespace(node_rank=0)))
+    source = Slot.attach(path)
+    try:
+        assert rounds._copy_own(0, source, source.read_header()) is None
+    finally:
+        monkeypatch.setattr(replica_slots.zlib, "crc32", real_crc32)
+    held = [info for info in store.held(0) if info.step == 1]
+    assert held, "the round's copy was not kept"
+    assert any(copying[1:]), "the copy did not hold the trainer's slot while it read it"
+    assert locked_while_summing and not any(locked_while_summing), \
+        "the checksum pass held the trainer's slot: a save would wait for it"
+    replica = store.acquire(0, 1, held[0].seq)
+    try:
+        _, crc, _ = replica_slots.read_record(replica)
+        start, end = replica_slots.HEADER_SIZE, replica_slots.head_of(source.read_header())["nbytes"]
+        with source.memoryview(start, end - start) as a, replica.memoryview(start, end - start) as b:
+            assert crc == real_crc32(a), "the kept copy's crc32 is not that of the trainer's bytes"
+            assert a == b
+    finally:
+        store.release(replica)
+        source.close()
+        store.close()
