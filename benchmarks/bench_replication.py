@@ -15,7 +15,14 @@ data-parallel replicas do) and a third case runs ``replicas=1`` with the data-pa
 case ``replicas=0`` checkpoints to an S3-compatible server on loopback (moto, ``tests/s3_server.py``)
 instead of the local disk: the restore of node 1's ranks from it, beside the other two.
 
-    python benchmarks/bench_replication.py                    # 256 MiB per rank, 1 rank per node
+Each simulated node runs on CPUs of its own (half of those this process may use; ``--cpus-per-node
+0``: both nodes share all of them), as real nodes do: a node's saver then competes only with its
+own trainers, and its CPU budget for replication rounds (``FLASHCKPT_REPLICA_CPU``, a share of
+the node's CPUs) is the one it would have on a node of that size. Rounds are rare (about one per
+40 s at 256 MiB per rank on one CPU per node), so a run much shorter than that mostly measures
+the first round.
+
+    python benchmarks/bench_replication.py                    # 256 MiB per rank, 1 rank per node, 300 steps
     python benchmarks/bench_replication.py --mib 1024 --steps 40 --json out.json
     python benchmarks/bench_replication.py --data-parallel --mib 256
     python benchmarks/bench_replication.py --mib 1024 --steps 20 --s3
@@ -297,7 +304,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=256, help="state per rank in MiB (default 256)")
     parser.add_argument("--nproc", type=int, default=1, help="ranks per node (default 1)")
-    parser.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--persist-every", type=int, default=10, help="persist every N steps (default 10)")
     parser.add_argument("--matmuls", type=int, default=60, help="256x256 matmuls per step: the compute (default 60)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each case, alternating (default 3)")
