@@ -16,15 +16,19 @@ Call order:
 1. :class:`Rounds` is made by :class:`~.replication.Replication` when replication starts;
    :meth:`Rounds.start` starts the leader thread on node 0's saver.
 2. The leader (:meth:`Rounds._lead`), at most ``duty`` of the time (:func:`.replication.copy_duty`),
-   once every rank of its node has sealed a step newer than the kept one; ``after`` = that step + 1.
-   - ``round_snap`` asks every node's saver (its own directly, the others on the peer channel)
-     to copy its ranks' snapshots of one step >= ``after`` that all of them hold into its store
-     (:meth:`Rounds.snap`: the newest being persisted, whose slots no save writes meanwhile, else
-     the newest) and to say which step that was; when the nodes answer different steps the
-     round starts again from the newest of them.
+   once every rank of its node has sealed a step newer than the kept one; ``after`` = the kept
+   step + 1 (0 before the first round).
+   - ``round_held`` asks every node's saver (its own directly, the others on the peer channel)
+     which steps >= ``after`` all its ranks hold, and which of them are being persisted
+     (:meth:`Rounds.held`; each node makes its store's slots for the copies meanwhile). The
+     leader takes the newest step every node holds that is being persisted (its slots stay
+     locked while the savers write them), else the newest every node holds (:func:`_steadiest`).
+   - ``round_snap`` asks every node to copy its ranks' snapshots of that step into its store
+     (:meth:`Rounds.snap`: each slot's lock held for one memory copy). When a save took a slot
+     back meanwhile, the round starts again from a newer step (at most ``RETRIES`` times).
    - ``round_send``: every node copies those copies to its placement targets (:meth:`Rounds.send`).
    - When every node answered ok, ``round_kept`` gives every node the new kept step
-     (:meth:`Rounds.keep`; each ``round_snap`` carries it as well).
+     (:meth:`Rounds.keep`; each ``round_held`` and ``round_snap`` carries it as well).
 3. Every store write asks :attr:`Rounds.kept` for the step :meth:`.ReplicaStore.begin` must not
    overwrite (the receiver of a peer's copy, and :meth:`Rounds.snap`).
 4. :meth:`Rounds.close`.
@@ -50,7 +54,7 @@ from .._utils.cpus import affinity_cpus
 from ..errors import CorruptCheckpointError, SharedMemoryError
 from . import peers
 from .protocol import SLOTS_FILE
-from .replica_slots import ReplicaSkipped
+from .replica_slots import ReplicaSkipped, head_of
 from .shm_buffer import Slot, SlotHeader, SlotState
 
 if TYPE_CHECKING:
@@ -60,10 +64,10 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.1
 """How often the leader looks for a newer step while no round is due."""
-OPS = ("round_snap", "round_send", "round_kept")
+OPS = ("round_held", "round_snap", "round_send", "round_kept")
 """The peer ops of a round (the leader's questions)."""
 RETRIES = 3
-"""Rounds started again at once when the nodes answered different steps."""
+"""Rounds started again at once when a save took a slot back from a node's copy."""
 
 
 def enabled() -> bool:
@@ -100,13 +104,12 @@ def _complete(path: str) -> tuple[Slot, SlotHeader] | None:
     return slot, header
 
 
-def _steadiest(steps: list[int], held: dict[int, dict[int, tuple[Slot, SlotHeader]]]) -> int:
-    """Of ``steps`` (held by every rank of the node), the one a slow copy most likely reads to the
-    end: the newest that the job persists (its slots are locked while the saver writes them, and
-    every node persists the same steps, so every node takes the same one), else the newest (the
-    trainer writes its next save into the other slot)."""
-    persisted = [s for s in steps if all(h.persist_req == h.seq for _, h in (by_step[s] for by_step in held.values()))]
-    return max(persisted or steps)
+def _steadiest(steps: list[int], persisting: set[int]) -> int:
+    """Of ``steps`` (held by every rank of every node), the one a slow copy most likely reads to
+    the end: the newest being persisted (its slots are locked while the savers write them, and
+    every node persists the same steps), else the newest (the trainers write their next saves
+    into the other slots)."""
+    return max(persisting & set(steps) or steps)
 
 
 class Rounds:
@@ -132,43 +135,73 @@ class Rounds:
 
     # --- every node ------------------------------------------------------------------------
 
-    def snap(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Copy this node's ranks' snapshots of one step >= ``after`` into the store; the step
-        (:func:`_steadiest` of those every rank holds)."""
+    def _held(self) -> dict[int, dict[int, tuple[Slot, SlotHeader]]]:
+        """Each rank of this node: its complete slots by step (the caller closes them)."""
+        held: dict[int, dict[int, tuple[Slot, SlotHeader]]] = {}
+        for rank, paths in local_slots(self.owner.run_dir).items():
+            held[rank] = {}
+            for path in paths:
+                found = _complete(path)
+                if found is not None and found[1].step in held[rank]:
+                    found[0].close()  # the same step twice (a held slot): one copy is enough
+                elif found is not None:
+                    held[rank][found[1].step] = found
+        return held
+
+    @staticmethod
+    def _close(held: dict[int, dict[int, tuple[Slot, SlotHeader]]]) -> None:
+        for by_step in held.values():
+            for slot, _ in by_step.values():
+                slot.close()
+
+    def held(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The steps >= ``after`` that every rank of this node holds, and those of them being
+        persisted; the store's slots for the copies are made meanwhile (so that the copy that
+        follows holds a trainer's slot for its memory copy only)."""
         if message.get("kept") is not None:
             self.keep({"step": message["kept"]})
         after = int(message["after"])
-        started, cpu = time.monotonic(), time.thread_time()
+        cpu = time.thread_time()
         with self._lock:
-            ranks = local_slots(self.owner.run_dir)
-            if not ranks:
-                return {"ok": False, "error": "no rank of this node has a slot yet"}
-            held: dict[int, dict[int, tuple[Slot, SlotHeader]]] = {}
+            held = self._held()
             try:
-                for rank, paths in ranks.items():
-                    held[rank] = {}
-                    for path in paths:
-                        found = _complete(path)
-                        if found is not None and found[1].step in held[rank]:
-                            found[0].close()  # the same step twice (a held slot): one copy is enough
-                        elif found is not None:
-                            held[rank][found[1].step] = found
+                if not held:
+                    return {"ok": False, "error": "no rank of this node has a slot yet"}
                 common = set.intersection(*(set(s) for s in held.values()))
                 steps = sorted(s for s in common if s >= after)
-                if not steps:
-                    newest = max((max(s) for s in held.values() if s), default=None)
-                    return {"ok": False, "newest": newest,
-                            "error": f"no step >= {after} is held by every rank of this node ({sorted(common)})"}
-                step = _steadiest(steps, held)
+                persisting = [s for s in steps if all(by_step[s][1].persist_req == by_step[s][1].seq
+                                                      for by_step in held.values())]
+                for rank, by_step in held.items():
+                    if by_step:
+                        nbytes = head_of(max(by_step.values(), key=lambda f: f[1].step)[1])["nbytes"]
+                        with contextlib.suppress(ReplicaSkipped):  # said again by the copy, if it still holds
+                            self.owner.store.prepare(rank, nbytes, keep=self.kept)
+            finally:
+                self._close(held)
+        return {"ok": True, "steps": steps, "persisting": persisting, "cpu_s": time.thread_time() - cpu}
+
+    def snap(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Copy this node's ranks' snapshots of ``step`` into the store."""
+        if message.get("kept") is not None:
+            self.keep({"step": message["kept"]})
+        step = int(message["step"])
+        started, cpu = time.monotonic(), time.thread_time()
+        with self._lock:
+            held = self._held()
+            try:
+                if not held:
+                    return {"ok": False, "error": "no rank of this node has a slot yet"}
+                missing = sorted(rank for rank, by_step in held.items() if step not in by_step)
+                if missing:
+                    return {"ok": False, "error": f"rank(s) {missing} of this node no longer hold step {step}",
+                            "cpu_s": time.thread_time() - cpu}
                 for rank, by_step in held.items():
                     slot, header = by_step[step]
                     error = self._copy_own(rank, slot, header)
                     if error is not None:
-                        return {"ok": False, "error": error, "newest": step + 1, "cpu_s": time.thread_time() - cpu}
+                        return {"ok": False, "error": error, "cpu_s": time.thread_time() - cpu}
             finally:
-                for by_step in held.values():
-                    for slot, _ in by_step.values():
-                        slot.close()
+                self._close(held)
         return {"ok": True, "step": step, "ranks": sorted(held), "seconds": time.monotonic() - started,
                 "cpu_s": time.thread_time() - cpu}
 
@@ -312,22 +345,25 @@ class Rounds:
             logger.debug("replication round: nodes %s have published no saver yet", sorted(set(nodes) - set(records)))
             return None
         for _ in range(RETRIES):
-            answers = self._ask_all(records, nodes, {"op": "round_snap", "after": after, "kept": self.kept})
+            answers = self._ask_all(records, nodes, {"op": "round_held", "after": after, "kept": self.kept})
             self._spend(answers)
-            steps = {a["step"] for a in answers.values() if a.get("ok")}
-            if all(a.get("ok") for a in answers.values()) and len(steps) == 1:
-                break
-            said = [a.get("step") if a.get("ok") else a.get("newest") for a in answers.values()]
-            newest = max((n for n in said if isinstance(n, int)), default=None)
-            if newest is None or newest <= after:  # nothing newer to agree on yet
+            if not all(a.get("ok") for a in answers.values()):
                 logger.debug("replication round from step %d: %s", after, answers)
                 return None
-            after = newest  # the nodes took different steps: again, from the newest of them
+            common = set.intersection(*(set(a["steps"]) for a in answers.values()))
+            if not common:  # the nodes are a save apart, or none has a step newer than the kept one
+                logger.debug("replication round from step %d: no step every node holds: %s", after, answers)
+                return None
+            persisting = set.intersection(*(set(a["persisting"]) for a in answers.values())) & common
+            step = _steadiest(sorted(common), persisting)
+            answers = self._ask_all(records, nodes, {"op": "round_snap", "step": step, "kept": self.kept})
+            self._spend(answers)
+            if all(a.get("ok") for a in answers.values()):
+                break
+            after = step + 1  # a save took a slot back: again, from a newer step
         else:
-            logger.debug("replication round from step %d: the nodes took different steps %d times: %s", after,
-                         RETRIES, answers)
+            logger.debug("replication round from step %d: the copies failed %d times: %s", after, RETRIES, answers)
             return None
-        step = steps.pop()
         answers = self._ask_all(records, nodes, {"op": "round_send", "step": step})
         self._spend(answers, 2.0)  # what each node's peers spent receiving it: about as much
         failed = {n: a.get("error") for n, a in answers.items() if not a.get("ok")}
@@ -367,7 +403,7 @@ class Rounds:
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         """Serve one round op (from the leader, on the peer channel or in this process)."""
         op = message.get("op")
-        work = dict(zip(OPS, (self.snap, self.send, self.keep))).get(op)
+        work = dict(zip(OPS, (self.held, self.snap, self.send, self.keep))).get(op)
         if work is None:
             return {"ok": False, "error": f"unknown op {op!r}"}
         try:

@@ -182,21 +182,10 @@ class ReplicaStore:
         with self._lock:
             if rank in self._writing:
                 raise ReplicaSkipped(f"a replica of rank {rank} is being received already")
-            infos = self._infos(rank)
-            for info in infos:
+            for info in self._infos(rank):
                 if info is not None and (info.step, info.seq) == (step, seq):
                     raise ReplicaSkipped("held")
-            complete = [i for i in infos if i is not None]
-            newest = max(complete, key=lambda i: i.generation).index if complete else None
-            kept = {i.index for i in complete if keep is not None and i.step == keep}
-            order = [k for k in range(REPLICAS_PER_RANK) if k != newest and k not in kept]
-            order += [k for k in range(REPLICAS_PER_RANK) if k == newest and k not in kept]
-            if not order:
-                raise ReplicaSkipped(f"every replica slot of rank {rank} holds the kept step {keep}")
-            path = replica_path(self.shm_dir, self.job, rank, order[0])
-            if self._readers.get(path):
-                raise ReplicaSkipped(f"the older replica of rank {rank} is being read by a restore")
-            slot = self._sized(path, nbytes)
+            slot = self._sized(self._next_path(rank, keep), nbytes)
             if not slot.try_lock():  # held while another process persists it (flashckpt persist --from-replicas)
                 raise ReplicaSkipped(f"the older replica of rank {rank} is being persisted")
             slot.begin_write(step, seq)
@@ -205,6 +194,27 @@ class ReplicaStore:
             slot.write_blob(_RECORD_OFFSET, b"\0" * _RECORD.size)
             self._writing.add(rank)
             return slot
+
+    def prepare(self, rank: int, nbytes: int, *, keep: int | None = None) -> None:
+        """Make (and fault in) the slot the next copy of rank ``rank`` goes to, ``nbytes`` long,
+        ahead of the copy (:class:`ReplicaSkipped` when it cannot be had now)."""
+        with self._lock:
+            if rank not in self._writing:
+                self._sized(self._next_path(rank, keep), nbytes)
+
+    def _next_path(self, rank: int, keep: int | None) -> str:
+        """The slot a new copy of rank ``rank`` overwrites: the older, never the kept step's."""
+        complete = [i for i in self._infos(rank) if i is not None]
+        newest = max(complete, key=lambda i: i.generation).index if complete else None
+        kept = {i.index for i in complete if keep is not None and i.step == keep}
+        order = [k for k in range(REPLICAS_PER_RANK) if k != newest and k not in kept]
+        order += [k for k in range(REPLICAS_PER_RANK) if k == newest and k not in kept]
+        if not order:
+            raise ReplicaSkipped(f"every replica slot of rank {rank} holds the kept step {keep}")
+        path = replica_path(self.shm_dir, self.job, rank, order[0])
+        if self._readers.get(path):
+            raise ReplicaSkipped(f"the older replica of rank {rank} is being read by a restore")
+        return path
 
     def _sized(self, path: str, nbytes: int) -> Slot:
         slot = self._slot(path)
