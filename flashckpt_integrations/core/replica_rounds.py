@@ -164,6 +164,15 @@ class Rounds:
         cpu = time.thread_time()
         with self._lock:
             held = self._held()
+            try:  # the store's slots first: making one takes a while, and the steps held move on
+                for rank, by_step in held.items():
+                    if by_step:
+                        nbytes = head_of(max(by_step.values(), key=lambda f: f[1].step)[1])["nbytes"]
+                        with contextlib.suppress(ReplicaSkipped):  # said again by the copy, if it still holds
+                            self.owner.store.prepare(rank, nbytes, keep=self.kept)
+            finally:
+                self._close(held)
+            held = self._held()
             try:
                 if not held:
                     return {"ok": False, "error": "no rank of this node has a slot yet"}
@@ -171,11 +180,6 @@ class Rounds:
                 steps = sorted(s for s in common if s >= after)
                 persisting = [s for s in steps if all(by_step[s][1].persist_req == by_step[s][1].seq
                                                       for by_step in held.values())]
-                for rank, by_step in held.items():
-                    if by_step:
-                        nbytes = head_of(max(by_step.values(), key=lambda f: f[1].step)[1])["nbytes"]
-                        with contextlib.suppress(ReplicaSkipped):  # said again by the copy, if it still holds
-                            self.owner.store.prepare(rank, nbytes, keep=self.kept)
             finally:
                 self._close(held)
         return {"ok": True, "steps": steps, "persisting": persisting, "cpu_s": time.thread_time() - cpu}
@@ -308,10 +312,12 @@ class Rounds:
                 kept = self._round(0 if self.kept is None else self.kept + 1)
                 elapsed = time.monotonic() - started
                 self._last_s = elapsed
-                # A failed round cost its copies too. Copies take at most ``duty`` of the time, and
-                # the CPU time the busiest node spent on them at most ``cpu_share`` of its CPUs.
-                pause = max(elapsed * (1 / duty - 1), max(self._spent.values(), default=0.0) / cpu_budget)
-                next_at = time.monotonic() + (pause if kept is not None else max(1.0, pause))
+                # The CPU time the busiest node spent on a round, kept or not, is at most
+                # ``cpu_share`` of its CPUs; a kept round's copies take at most ``duty`` of the time
+                # as well (a failed one, often waiting at low priority, held nothing meanwhile).
+                spent = max(self._spent.values(), default=0.0) / cpu_budget
+                pause = max(elapsed * (1 / duty - 1), spent) if kept is not None else max(1.0, spent)
+                next_at = time.monotonic() + pause
                 logger.debug("replication round %s in %.2fs; %.2f CPU s on the busiest node; the next in %.1fs",
                              "not kept" if kept is None else f"kept step {kept}", elapsed,
                              max(self._spent.values(), default=0.0), next_at - time.monotonic())
@@ -351,7 +357,9 @@ class Rounds:
                 logger.debug("replication round from step %d: %s", after, answers)
                 return None
             common = set.intersection(*(set(a["steps"]) for a in answers.values()))
-            if not common:  # the nodes are a save apart, or none has a step newer than the kept one
+            if not common:  # the nodes answered a save apart (asked again), or none holds a newer step
+                if all(a["steps"] for a in answers.values()):
+                    continue
                 logger.debug("replication round from step %d: no step every node holds: %s", after, answers)
                 return None
             persisting = set.intersection(*(set(a["persisting"]) for a in answers.values())) & common
@@ -362,7 +370,8 @@ class Rounds:
                 break
             after = step + 1  # a save took a slot back: again, from a newer step
         else:
-            logger.debug("replication round from step %d: the copies failed %d times: %s", after, RETRIES, answers)
+            logger.debug("replication round from step %d: no step every node holds, or its copies failed, %d "
+                         "times: %s", after, RETRIES, answers)
             return None
         answers = self._ask_all(records, nodes, {"op": "round_send", "step": step})
         self._spend(answers, 2.0)  # what each node's peers spent receiving it: about as much
