@@ -523,7 +523,7 @@ class Checkpointer(LoadPath):
     def _persist_request(self, step: int, seq: int, slot_path: str, sid: str) -> dict[str, Any]:
         """What the saver needs to persist one snapshot (sent to it, and kept in the slot)."""
         request = {"rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq, "slot": slot_path,
-                   "sid": sid, "tag": self._lineage_view().tag(), **self._persist_target()}
+                   "sid": sid, "tag": self._lineage_view().tag(), "pid": os.getpid(), **self._persist_target()}
         if slot_path == self._held_path:
             request["held"] = True  # the saver unmaps it afterwards: its memory goes once it is released
         return request

@@ -180,12 +180,14 @@ class Saver:
             self.lost_ranks = True
             self.recover()
 
-    def recover(self) -> None:
+    def recover(self, *, dead_only: bool = False) -> None:
         """Persist the snapshots that a trainer asked to persist but did not live to hand over.
 
         Each rank records its slot paths in the run directory, and a slot that is to be persisted
         says so in its header and carries the request in its metadata. A request the saver already
         has is recognised in ``persist`` (the rank's marker names the same snapshot) and skipped.
+        ``dead_only``: only the outstanding requests of processes that are gone (a rank killed
+        before its hello reached the saver is seen at the next hello, not at a disconnection).
         """
         for record in glob.glob(os.path.join(self.run_dir, SLOTS_FILE.format(rank="*"))):
             try:
@@ -196,6 +198,9 @@ class Saver:
             for path in paths:
                 request, outstanding = _slot_request(path)
                 if request is None or (path, int(request["seq"])) in self.recovered:
+                    continue
+                if dead_only and (not outstanding or not isinstance(request.get("pid"), int)
+                                  or _pid_alive(request["pid"])):
                     continue
                 if outstanding:
                     self.recovered.add((path, int(request["seq"])))
@@ -249,6 +254,7 @@ class Saver:
             self.closed_clean.discard(conn.rank)
             if request.get("replication"):
                 self.replication.configure(request["replication"])
+            self.recover(dead_only=True)  # a rank that died before it said hello left its request unsent
             conn.send({"id": rid, "ok": True, "pid": os.getpid(), "replica_pushes": self.replication.wants_pushes()})
         elif op == "ping":
             conn.send({"id": rid, "ok": True, "pid": os.getpid()})

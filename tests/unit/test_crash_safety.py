@@ -335,6 +335,7 @@ def test_a_persist_the_trainer_asked_for_but_never_handed_over_is_still_committe
         ck._requester.submit(time.sleep, 60)  # the request to the saver queues behind this and is never sent
         r = ck.save(1, state(1), persist=True)
         assert r.status.value == "persisting", r
+        assert ck.wait_for_snapshot() is None  # sealed (a first save seals once its attempt is recorded)
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
@@ -349,6 +350,40 @@ def test_a_persist_the_trainer_asked_for_but_never_handed_over_is_still_committe
         assert torch.equal(torch.as_tensor(loaded.state[key]), torch.as_tensor(value))
     log = open(os.path.join(ck.run_dir, "saver.log")).read()
     assert "asked to persist step 1 and did not see it through" in log
+
+
+def test_a_rank_killed_before_its_hello_reached_a_running_saver_has_its_persist_committed(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    # An earlier process of the job starts the node's saver and goes away without closing: the
+    # saver stays up (a rank was lost), having looked for unsent requests at its start.
+    first = CHILD_PRELUDE + textwrap.dedent(
+        """
+        ck = Checkpointer(ckpt_dir)
+        ck._client.connect()
+        os._exit(0)
+        """
+    )
+    assert run_python(first, ckpt).returncode == 0
+    # The next one never says hello: its persist request is neither sent nor seen at a disconnection.
+    child = CHILD_PRELUDE + textwrap.dedent(
+        """
+        import time
+        Checkpointer._connect_quietly = lambda self: None
+        ck = Checkpointer(ckpt_dir)
+        ck._requester.submit(time.sleep, 60)
+        r = ck.save(1, state(1), persist=True)
+        assert r.status.value == "persisting", r
+        assert ck.wait_for_snapshot() is None  # sealed (a first save seals once its attempt is recorded)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    out = run_python(child, ckpt)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    # The process after it says hello to the saver that is still up, which finds the request.
+    with Checkpointer(ckpt) as ck:
+        assert _wait_committed(ck, 1, timeout=30) == [1]
+        loaded = ck.load(prefer_memory=False)
+    assert loaded.step == 1 and torch.equal(loaded.state["w"], expected(1)["w"])
 
 
 @pytest.mark.parametrize("window", ["write", "commit"])
