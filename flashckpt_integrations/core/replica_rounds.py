@@ -315,12 +315,12 @@ class Rounds:
                 # The CPU time the busiest node spent on a round, kept or not, is at most
                 # ``cpu_share`` of its CPUs; a kept round's copies take at most ``duty`` of the time
                 # as well (a failed one, often waiting at low priority, held nothing meanwhile).
-                spent = max(self._spent.values(), default=0.0) / cpu_budget
-                pause = max(elapsed * (1 / duty - 1), spent) if kept is not None else max(1.0, spent)
+                busiest = max(self._spent.values(), default=0.0)
+                pause = max(elapsed * (1 / duty - 1), busiest / cpu_budget) if kept is not None else \
+                    max(1.0, busiest / cpu_budget)
                 next_at = time.monotonic() + pause
                 logger.debug("replication round %s in %.2fs; %.2f CPU s on the busiest node; the next in %.1fs",
-                             "not kept" if kept is None else f"kept step {kept}", elapsed,
-                             max(self._spent.values(), default=0.0), next_at - time.monotonic())
+                             "not kept" if kept is None else f"kept step {kept}", elapsed, busiest, pause)
                 self._tally["kept" if kept is not None else "not_kept"] += 1
                 self.owner._update_status(rounds=dict(self._tally))
             except Exception as exc:  # a round that cannot run is tried again later
@@ -362,8 +362,7 @@ class Rounds:
                     continue
                 logger.debug("replication round from step %d: no step every node holds: %s", after, answers)
                 return None
-            persisting = set.intersection(*(set(a["persisting"]) for a in answers.values())) & common
-            step = _steadiest(sorted(common), persisting)
+            step = _steadiest(sorted(common), set.intersection(*(set(a["persisting"]) for a in answers.values())))
             answers = self._ask_all(records, nodes, {"op": "round_snap", "step": step, "kept": self.kept})
             self._spend(answers)
             if all(a.get("ok") for a in answers.values()):

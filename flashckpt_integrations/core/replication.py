@@ -471,28 +471,27 @@ def survey(storage: Storage, job: str, secret: bytes, node_rank: int = -1) -> li
 def copy_duty() -> float:
     """The share of the time a saver's copies to one peer may take (``$FLASHCKPT_REPLICA_DUTY``,
     default 0.1; 1 copies back to back)."""
-    value = knobs.get(knobs.REPLICA_DUTY, "0.1")
-    try:
-        duty = float(value)
-    except ValueError:
-        duty = -1.0
-    if not 0 < duty <= 1:
-        logger.error("%s=%r must be a number in (0, 1]; using 0.1", knobs.REPLICA_DUTY, value)
-        return 0.1
-    return duty
+    return _share(knobs.REPLICA_DUTY, 0.1)
 
 
 def cpu_share() -> float:
     """The share of a node's CPU time its saver's replication rounds may take (``$FLASHCKPT_REPLICA_CPU``,
     default 0.01): on a node whose CPUs all train, what replication costs the training steps."""
-    value = knobs.get(knobs.REPLICA_CPU, "0.01")
+    return _share(knobs.REPLICA_CPU, 0.01)
+
+
+def _share(knob: str, default: float) -> float:
+    """The share in (0, 1] that ``knob`` sets; ``default`` when unset, or (logged) when unusable."""
+    value = knobs.get(knob)
+    if value is None:
+        return default
     try:
         share = float(value)
     except ValueError:
         share = -1.0
     if not 0 < share <= 1:
-        logger.error("%s=%r must be a number in (0, 1]; using 0.01", knobs.REPLICA_CPU, value)
-        return 0.01
+        logger.error("%s=%r must be a number in (0, 1]; using %s", knob, value, default)
+        return default
     return share
 
 
@@ -521,11 +520,6 @@ class _Sender:
         """The kind of the failures since the last copy that worked (None: it worked)."""
         self._succeeded = False
         threading.Thread(target=self._run, name=f"replica-to-node{node}", daemon=True).start()
-
-    def wants_pushes(self) -> bool:
-        """Whether the ranks should offer each sealed slot (``replica_push``): not with rounds,
-        which copy the steps they keep themselves."""
-        return self.enabled and self.rounds is None
 
     def offer(self, note: dict[str, Any]) -> None:
         with self._cond:

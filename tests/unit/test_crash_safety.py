@@ -326,9 +326,10 @@ def _wait_committed(ck, step, timeout=60.0):
     return ck.committed_steps()
 
 
-def test_a_persist_the_trainer_asked_for_but_never_handed_over_is_still_committed(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    child = CHILD_PRELUDE + textwrap.dedent(
+def _die_with_an_unsent_persist_of_step_1(ckpt: str, before: str = "") -> None:
+    """A process of the job (running ``before`` first) seals a snapshot of step 1 with a persist
+    request that never reaches the saver, and is SIGKILLed."""
+    child = CHILD_PRELUDE + before + textwrap.dedent(
         """
         import time
         ck = Checkpointer(ckpt_dir)
@@ -341,6 +342,11 @@ def test_a_persist_the_trainer_asked_for_but_never_handed_over_is_still_committe
     )
     out = run_python(child, ckpt)
     assert out.returncode == -signal.SIGKILL, out.stderr
+
+
+def test_a_persist_the_trainer_asked_for_but_never_handed_over_is_still_committed(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    _die_with_an_unsent_persist_of_step_1(ckpt)
     # The node's saver (found or started by the next process of the job) persists and commits it.
     with Checkpointer(ckpt) as ck:
         assert _wait_committed(ck, 1) == [1]
@@ -365,20 +371,7 @@ def test_a_rank_killed_before_its_hello_reached_a_running_saver_has_its_persist_
     )
     assert run_python(first, ckpt).returncode == 0
     # The next one never says hello: its persist request is neither sent nor seen at a disconnection.
-    child = CHILD_PRELUDE + textwrap.dedent(
-        """
-        import time
-        Checkpointer._connect_quietly = lambda self: None
-        ck = Checkpointer(ckpt_dir)
-        ck._requester.submit(time.sleep, 60)
-        r = ck.save(1, state(1), persist=True)
-        assert r.status.value == "persisting", r
-        assert ck.wait_for_snapshot() is None  # sealed (a first save seals once its attempt is recorded)
-        os.kill(os.getpid(), signal.SIGKILL)
-        """
-    )
-    out = run_python(child, ckpt)
-    assert out.returncode == -signal.SIGKILL, out.stderr
+    _die_with_an_unsent_persist_of_step_1(ckpt, before="Checkpointer._connect_quietly = lambda self: None\n")
     # The process after it says hello to the saver that is still up, which finds the request.
     with Checkpointer(ckpt) as ck:
         assert _wait_committed(ck, 1, timeout=30) == [1]
