@@ -27,9 +27,17 @@ from typing import IO, Any
 
 from . import knobs
 from ._utils.help import HelpFormatter
-from .core import peers, replication
+from .core import peers, replication, verify
 from .core.client import job_id_for, job_key, saver_running, user_run_root
-from .core.layout import Layout, commit_record, committed_steps, failure_record, marked_steps, read_json
+from .core.layout import (
+    Layout,
+    commit_record,
+    committed_steps,
+    failure_record,
+    file_mismatch,
+    marked_steps,
+    read_json,
+)
 from .core.protocol import LOG_NAME
 from .core.replica_slots import list_replicas, replica_paths
 from .core.rescue import RescueStatus, job_replicas, job_slots, persist_newest
@@ -291,6 +299,52 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    url = _url(args.dir)
+    storage = _open_storage(url)
+    _require_dir(storage, url, args)
+    shm = args.shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm")
+    rows = [{"what": "memory", "rank": rank, "where": os.path.basename(path), **verify.check_slot(path)}
+            for rank, path in _slots(url, args.job_id, args.shm_dir)]
+    rows += [{"what": "replica", "rank": rank, "where": os.path.basename(path), **verify.check_slot(path)}
+             for rank, paths in sorted(replica_paths(shm, job_key(job_id_for(url, args.job_id))).items())
+             for path in paths]
+    rows += [row for step in committed_steps(storage) for row in _verify_commit(storage, step)]
+    rows = [r for r in rows if r["status"] != "empty"]
+    bad = [r for r in rows if r["status"] != "ok"]
+    if args.json:
+        print(json.dumps({"dir": url, "checked": rows, "problems": len(bad)}, indent=1))
+    else:
+        print(url)
+        for row in rows:
+            print(f"  {row['what']:<8} rank {row['rank']:>4}  step {row['step']!s:>8}  {row['status']:<10}  "
+                  f"{row['where']}")
+            if row["detail"]:
+                print(f"      {row['detail']}")
+        print(f"  {len(rows) - len(bad)} good, {len(bad)} not" + ("" if bad else ": every copy verifies"))
+    return EXIT_NO if bad else EXIT_OK
+
+
+def _verify_commit(storage: Storage, step: int) -> list[dict[str, Any]]:
+    """Every rank's files of committed ``step`` read back against the sizes and crc32s of its marker."""
+    record, layout, rows = commit_record(storage, step), Layout(), []
+    for rank in range(record["world_size"]):
+        status, detail, where = "ok", None, f"{record['step_dir']}/"
+        try:
+            marker = read_json(storage, layout.rank_marker(step, rank, sid=record.get("sid", "")))
+            for entry in marker["files"]:
+                path = f"{record['step_dir']}/{entry['path']}"
+                detail = file_mismatch(path, storage.read(path), entry)
+                if detail is not None:
+                    status = "bad"
+                    break
+        except (OSError, FlashCkptError, ValueError, KeyError) as exc:
+            status, detail = "bad", f"{type(exc).__name__}: {exc}"
+        rows.append({"what": "storage", "rank": rank, "step": step, "where": where, "status": status,
+                     "detail": detail})
+    return rows
+
+
 def cmd_clean(args: argparse.Namespace) -> int:
     url = _url(args.dir)
     removed = 0
@@ -454,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "Show the ranks, files, sizes and CRC32 checksums of one committed step.")
     inspect.add_argument("step", type=int, metavar="STEP", help="the step number")
     inspect.add_argument("--json", action="store_true", help=json_help)
+    verify_cmd = _command(sub, "verify", cmd_verify, "check every copy of the job against its checksums",
+                          "Read every shared-memory snapshot and peer replica of the job on this host, and every "
+                          "file of every committed step in DIR, and check each against the checksum taken when it "
+                          "was saved. Prints what is good and what is not (bad, unverified, torn); exits 1 when "
+                          "anything is not good.")
+    verify_cmd.add_argument("--json", action="store_true", help=json_help)
     _command(sub, "clean", cmd_clean, "remove this host's shared memory of a job",
              "Remove this host's shared-memory slots of the job that saves to DIR, and the run directories "
              "(socket, locks, log) of its savers that are no longer running.")

@@ -52,6 +52,10 @@ whose copies cost its busiest node ``c`` CPU seconds is followed by one no soone
 REPLICA_ROUNDS = "FLASHCKPT_REPLICA_ROUNDS"
 """``0``: each saver copies the newest snapshot of each of its ranks on its own, with no step kept
 in common (see ``core/replica_rounds.py``; default on: job-wide rounds led by node 0's saver)."""
+GRACE_S = "FLASHCKPT_GRACE_S"
+"""Seconds between SIGTERM and SIGKILL when the job is stopped (default 30, Kubernetes' default
+``terminationGracePeriodSeconds``): the node's saver persists the newest memory snapshot within
+it (see ``core/preemption.py``). Set it to the grace your scheduler gives."""
 NODE_CHECK_PLUGINS = "FLASHCKPT_NODE_CHECK_PLUGINS"
 """Comma-separated modules the node check imports before it picks a check (they call
 ``register_node_check``; the last registered available check wins). Tests use it to make a rank slow."""

@@ -184,3 +184,62 @@ def exit_without_teardown(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def rank_slots(ckpt_dir: Any, rank: int) -> dict[int, str]:
+    """``{step: path}`` of the complete memory snapshots a rank of the job in ``ckpt_dir`` left behind."""
+    from flashckpt_integrations.core.client import job_key
+
+    prefix = f"flashckpt-{os.getuid()}-{job_key(str(ckpt_dir))}-r{rank}-"
+    shm = os.environ.get("FLASHCKPT_SHM_DIR", "/dev/shm")
+    return {step: path for _, step, path in complete_slots(shm) if os.path.basename(path).startswith(prefix)}
+
+
+def complete_slots(shm_dir: str) -> list[tuple[int, int, str]]:
+    """``(rank, step, path)`` of every complete snapshot in ``shm_dir`` (a test's private one)."""
+    from flashckpt_integrations.core.shm_buffer import attach_complete
+
+    found = []
+    for name in sorted(os.listdir(shm_dir)):
+        path = os.path.join(shm_dir, name)
+        attached = attach_complete(path) if os.path.isfile(path) else None
+        if attached is not None:
+            slot, header = attached
+            try:
+                found.append((slot.read_metadata(header)["rank"], header.step, slot.path))
+            finally:
+                slot.close()
+    return found
+
+
+def flip_slot_byte(path: str, which: str = "region") -> None:
+    """Flip one byte in the middle of a complete slot's first tensor region (or its first blob), as a
+    stray write or a bad DIMM would; the slot's header and metadata stay intact. First waits until
+    the snapshot's checksums are written (by its trainer, or by the saver once that trainer died),
+    so that the flip lands after them, as a stray write does."""
+    import time
+
+    from flashckpt_integrations.core import verify
+    from flashckpt_integrations.core.shm_buffer import Slot
+
+    deadline = time.monotonic() + 30
+    while verify.check_slot(path)["status"] != "ok":
+        assert time.monotonic() < deadline, f"{path}: {verify.check_slot(path)}"
+        time.sleep(0.02)
+    slot = Slot.attach(path)
+    try:
+        meta = slot.read_metadata(slot.read_header())
+        offset, nbytes = meta["regions"][0] if which == "region" else meta["files"][0]["blob"]
+        slot.buffer[offset + nbytes // 2] ^= 0x10
+    finally:
+        slot.close()
+
+
+def flip_file_byte(path: Any, at: float = 0.5) -> None:
+    """Flip one byte of a file on storage, at ``at`` of its length."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(int(size * at))
+        byte = f.read(1)
+        f.seek(int(size * at))
+        f.write(bytes([byte[0] ^ 0x10]))

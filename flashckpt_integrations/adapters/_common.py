@@ -27,17 +27,38 @@ def newest_memory_step(ck: Checkpointer, steps: list[int] | None = None) -> int 
     a rank whose node lost its memory first fetches that step from a peer (``recover_replicas``).
     ``steps``: this rank's candidates, when an adapter accepts only some of its memory snapshots
     (default: all; an adapter that passes them calls ``recover_replicas`` before choosing them).
+    The step is verified on every rank before it is returned (``ck.check_memory``): a snapshot
+    that fails is discarded and the next newest step every rank holds is tried.
     """
     if steps is None:
         ck.recover_replicas()
     committed = ck.committed_steps()
-    mine = ck.memory_steps() if steps is None else sorted(steps)
-    views = collectives.all_gather_object([mine, committed[-1] if committed else None],
-                                          ck.world_size, ck.process_group)
-    common = set.intersection(*(set(v[0]) for v in views))
-    newest_commit = views[0][1]
-    eligible = [s for s in common if newest_commit is None or s >= newest_commit]
-    return max(eligible) if eligible else None
+    candidates = None if steps is None else set(steps)
+    while True:
+        held = ck.memory_steps()
+        mine = held if candidates is None else sorted(candidates & set(held))
+        views = collectives.all_gather_object([mine, committed[-1] if committed else None],
+                                              ck.world_size, ck.process_group)
+        common = set.intersection(*(set(v[0]) for v in views))
+        newest_commit = views[0][1]
+        eligible = [s for s in common if newest_commit is None or s >= newest_commit]
+        if not eligible:
+            return None
+        step = max(eligible)
+        if ck.check_memory(step):
+            return step
+        if candidates is not None:
+            candidates.discard(step)
+
+
+def verified_choice(ck: Checkpointer, choose: Callable[[], tuple[int, str] | None]) -> tuple[int, str] | None:
+    """``choose()`` (collective: ``(step, "memory" | "storage")`` or None) until its memory step
+    verifies on every rank (``ck.check_memory``; a copy that fails is discarded, so the next
+    choice differs)."""
+    while True:
+        chosen = choose()
+        if chosen is None or chosen[1] != "memory" or ck.check_memory(chosen[0]):
+            return chosen
 
 
 def declare_resume(ck: Checkpointer, step: int, source: str = "storage") -> None:

@@ -62,7 +62,7 @@ from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..core.state import Codec, FileSpec
 from ..errors import CheckpointNotFoundError, FlashCkptError, LayoutMismatchError, missing_dependency
-from ._common import declare_resume, log_save, step_destination
+from ._common import declare_resume, log_save, step_destination, verified_choice
 from .pipeline import ModelState, OptimizerState, as_stateful
 
 try:
@@ -343,9 +343,14 @@ def resolve_step(checkpointer: Checkpointer, step: int | None = None, *,
     """The step and source (``"memory"`` / ``"storage"``) a load would use (collective).
 
     Memory when every rank holds a complete snapshot of the step and it is at least as new as the
-    newest commit; else the newest (or the given) committed step; ``None`` when there is none.
+    newest commit, and every rank's copy verifies (``Checkpointer.check_memory``: one that fails is
+    discarded, and the choice is made again); else the newest (or the given) committed step;
+    ``None`` when there is none.
     """
-    ck = checkpointer
+    return verified_choice(checkpointer, lambda: _resolve_once(checkpointer, step, prefer_memory))
+
+
+def _resolve_once(ck: Checkpointer, step: int | None, prefer_memory: bool) -> tuple[int, str] | None:
     if prefer_memory:  # a rank whose node lost its memory fetches the step from a peer's replica
         ck.recover_replicas(step)
     memory = ck.memory_steps() if prefer_memory else []

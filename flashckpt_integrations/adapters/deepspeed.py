@@ -63,7 +63,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without deepspeed
     raise missing_dependency("deepspeed", "deepspeed") from exc
 
-from ._common import declare_resume, log_save  # noqa: E402
+from ._common import declare_resume, log_save, verified_choice  # noqa: E402
 from ._deepspeed_load import memory_sd_loader  # noqa: E402
 from ._transfer import exchange, gloo_group  # noqa: E402
 
@@ -381,7 +381,11 @@ class FlashCheckpointEngine(CheckpointEngine):
     # --- loading internals -------------------------------------------------------------------
 
     def _choose(self, step: int | None, prefer_memory: bool) -> tuple[int, str] | None:
-        """The step to load and its source, agreed by every rank (collective)."""
+        """The step to load and its source, agreed by every rank (collective); a memory snapshot
+        only once every rank's copy verifies (one that fails is discarded: choose again)."""
+        return verified_choice(self.checkpointer, lambda: self._choose_once(step, prefer_memory))
+
+    def _choose_once(self, step: int | None, prefer_memory: bool) -> tuple[int, str] | None:
         ck = self.checkpointer
         if prefer_memory:  # a rank whose node lost its memory fetches the step from a peer's replica
             ck.recover_replicas(step)

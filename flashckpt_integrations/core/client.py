@@ -107,6 +107,9 @@ class SaverClient:
         """Whether the saver wants each sealed slot offered for its peers (its answer to the hello)."""
         self._connect_lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._greeted: socket.socket | None = None
+        """The connection whose hello the saver answered (its answer comes after it has taken up
+        what this rank's earlier process left behind: see ``saver``)."""
         self._ids = itertools.count(1)
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -124,14 +127,15 @@ class SaverClient:
     # --- connection ------------------------------------------------------------------------
 
     def connect(self) -> None:
-        """Connect to the node's saver, starting it when none answers (from any thread)."""
-        if self._sock is not None:
+        """Connect to the node's saver, starting it when none answers (from any thread); returns
+        once the saver has answered this process's hello."""
+        if self._sock is not None and self._greeted is self._sock:
             return
         with self._connect_lock:
             self._connect()
 
     def _connect(self) -> None:
-        if self._sock is not None:
+        if self._sock is not None and self._greeted is self._sock:
             return
         deadline = time.monotonic() + self.start_timeout
         last_spawn = -1e9
@@ -165,6 +169,7 @@ class SaverClient:
             self._disconnect()
             return False
         self.saver_pid = reply.get("pid")
+        self._greeted = sock
         self.replica_pushes = bool(reply.get("replica_pushes", True))
         return True
 

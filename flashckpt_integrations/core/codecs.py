@@ -10,12 +10,12 @@ import functools
 import io
 import json
 import sys
-import zlib
 from typing import Any
 
 import torch
 
 from ..errors import CorruptCheckpointError
+from .layout import file_mismatch
 from .shm_buffer import Slot
 from .state import SAFE_GLOBALS, rebuild_safetensors, tensor_part_pickle, unpickle_torch
 from .storage import Storage
@@ -99,13 +99,9 @@ def read_file(
 ) -> Any:
     """Read a committed file through ``storage``; ``expected`` (a marker entry) is verified."""
     data = storage.read(path)
-    if expected is not None:
-        if len(data) != expected["size"] or zlib.crc32(data) != expected["crc32"]:
-            raise CorruptCheckpointError(
-                f"{path}: size/checksum {len(data)}/{zlib.crc32(data)} differ from the "
-                f"{expected['size']}/{expected['crc32']} recorded when it was written; the file "
-                "was changed or truncated after the commit"
-            )
+    problem = file_mismatch(path, data, expected) if expected is not None else None
+    if problem is not None:
+        raise CorruptCheckpointError(problem)
     codec = Codec(codec)
     if codec is Codec.TORCH:
         with torch.serialization.safe_globals(SAFE_GLOBALS):

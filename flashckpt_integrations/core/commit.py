@@ -20,9 +20,12 @@ A save is named by its save id (``sid``, one per attempt's save of a step, see
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from .._utils.faults import fault_point
@@ -94,13 +97,17 @@ def already_persisted(storage: Storage, layout: Layout, request: dict[str, Any],
     return False
 
 
-def commit(storage: Storage, request: dict[str, Any], local_error: str | None = None) -> bool:
+def commit(storage: Storage, request: dict[str, Any], local_error: str | None = None, *,
+           give_way: Callable[[], str | None] = lambda: None,
+           serial: AbstractContextManager[Any] = contextlib.nullcontext()) -> bool:
     """Commit save ``request['sid']`` of its step once every rank's marker exists (the committer).
 
     ``local_error`` is rank 0's own persist failure: the step cannot commit, and its failed
     marker may not have reached storage, so do not wait. Returns whether a commit was written
     by this call; a failure writes the step's FAILED record (naming the save) and is logged, and
-    raises when even that record cannot be written.
+    raises when even that record cannot be written. ``give_way()`` is polled while the markers
+    are awaited: a reason it returns fails the step at once. ``serial`` is held from the end of
+    that wait to the end of the switch (commits wait side by side, switch one at a time).
     """
     step, world_size, sid = int(request["step"]), int(request["world_size"]), request.get("sid", "")
     layout = Layout(**request["layout"])
@@ -112,12 +119,14 @@ def commit(storage: Storage, request: dict[str, Any], local_error: str | None = 
             logger.info("step %d was committed and retention has deleted it since", step)
             return False  # asked again (a recovered request met the rank's own): nothing left to commit
         _drop_stale_failure(storage, layout, step, sid)
-        markers = _wait_for_markers(storage, layout, request)
-        if markers is None:  # committed or failed already (asked again); a switch may be unfinished
-            finish_switch(storage, layout, step)
-            return False
-        fault_point("saver.commit")  # every rank's files are durable, nothing committed yet
-        _switch(storage, layout, request, markers)
+        markers = _wait_for_markers(storage, layout, request, give_way)
+        with serial:  # (another commit of the same save may have switched it in while this one waited)
+            if markers is None or settled(storage, step, sid, set(storage.list(marker_dir)))[0] is not None:
+                # committed or failed already (asked again); a switch may be unfinished
+                finish_switch(storage, layout, step)
+                return False
+            fault_point("saver.commit")  # every rank's files are durable, nothing committed yet
+            _switch(storage, layout, request, markers)
         logger.info("step %d committed (%d ranks)", step, world_size)
         return True
     except Exception as exc:
@@ -129,7 +138,8 @@ def commit(storage: Storage, request: dict[str, Any], local_error: str | None = 
         return False
 
 
-def _wait_for_markers(storage: Storage, layout: Layout, request: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _wait_for_markers(storage: Storage, layout: Layout, request: dict[str, Any],
+                      give_way: Callable[[], str | None]) -> list[dict[str, Any]] | None:
     """Every rank's marker of the save; None when the save is committed or failed already."""
     step, world_size, sid = int(request["step"]), int(request["world_size"]), request.get("sid", "")
     marker_dir = layout.marker_dir(step)
@@ -144,6 +154,10 @@ def _wait_for_markers(storage: Storage, layout: Layout, request: dict[str, Any])
             raise RuntimeError(f"ranks {failed} failed to persist step {step}")
         if not missing:
             return [read_json(storage, f"{marker_dir}/{marker_name(r, sid)}") for r in range(world_size)]
+        reason = give_way()
+        if reason is not None:
+            raise RuntimeError(f"ranks {missing[:16]}{'...' if len(missing) > 16 else ''} did not persist step "
+                               f"{step}: {reason}")
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"ranks {missing[:16]}{'...' if len(missing) > 16 else ''} did not persist step "

@@ -15,7 +15,6 @@ would stall training far more than the snapshot saves; it fails with the reason 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
@@ -27,6 +26,7 @@ from .._utils.devices import synchronize_devices
 from ..errors import SharedMemoryError
 from . import commit as commit_protocol
 from .layout import Layout, write_rank_done, write_rank_failed
+from .persister import Persister
 from .results import SaveResult, SaveStatus
 from .shm_buffer import Slot
 from .state import SnapshotPlan, copy_regions
@@ -51,7 +51,7 @@ def fallback(
                  "training waits until it is durable.", ck.rank, error, step)
     request = meta["persist"]  # the request the saver would have got: same seq, layout, retention
     ck._seq += 1
-    committer = _Committer(ck.storage, ck._background)
+    committer = Persister(lambda _request: ck.storage, retention=ck._background)
     try:
         _persist(ck.storage, ck.layout, plan, request)
     except Exception as exc:
@@ -112,40 +112,3 @@ def _private_buffer(nbytes: int) -> Slot:
     except BaseException:
         os.close(fd)
         raise
-
-
-class _Committer:
-    """The saver's commit and retention, run by rank 0's training process (no socket, no slots).
-
-    Borrows ``Saver.commit`` so that a step written straight to storage is committed by the
-    very protocol the saver uses; retention goes to ``executor``, off the training thread.
-    """
-
-    def __init__(self, storage: Storage, executor: Any) -> None:
-        self._storage_obj = storage
-        self._executor = executor
-
-    def _storage(self, request: dict[str, Any]) -> Storage:
-        return self._storage_obj
-
-    def commit(self, request: dict[str, Any], local_error: str | None = None) -> None:
-        from .saver import Saver
-
-        Saver.commit(self, request, local_error)  # type: ignore[arg-type]
-
-    def purge(self, *args: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the checkpointer is closing: the next commit purges
-            self._executor.submit(self._purge_logged, *args)
-
-    def _purge_logged(self, *args: Any) -> None:
-        from .saver import Saver
-
-        try:
-            Saver.purge(self, *args)  # type: ignore[arg-type]
-        except Exception as exc:  # retention is best effort: the next commit tries again
-            logger.error("retention after a commit straight to storage failed: %s", exc)
-
-    def _finish_deletions(self, *args: Any) -> None:
-        from .saver import Saver
-
-        Saver._finish_deletions(self, *args)  # type: ignore[arg-type]

@@ -14,11 +14,14 @@ load path and the attempt's lineage decisions live in :mod:`.loading`.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -40,7 +43,7 @@ from ..errors import (
     SaverProcessError,
     SharedMemoryError,
 )
-from . import collectives, direct, lineage, replica_restore
+from . import collectives, direct, lineage, replica_restore, verify
 from . import commit as commit_protocol
 from .client import SaverClient, job_id_for, job_key, private_dir, run_dir_for
 from .layout import Layout, read_json
@@ -55,6 +58,15 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "rank-{rank}.pt"
 """File name that ``save(step, state)`` uses for the rank's state inside the step directory."""
+ERROR_EXIT_WAIT_S = 5.0
+"""How long a process that exits on an error (a peer lost mid-collective, say) waits for its
+in-flight persists: the node's saver finishes them without it, and a commit that needs a lost
+node's ranks may never come, so an unbounded wait would keep the launcher from relaunching."""
+_EXITING = threading.Event()
+"""Set when the interpreter starts to exit: before it joins the request thread, so before any
+atexit hook (``threading._register_atexit``, the hook ``concurrent.futures`` uses itself)."""
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_EXITING.set)
 
 
 class Checkpointer(LoadPath):
@@ -93,9 +105,12 @@ class Checkpointer(LoadPath):
         self._slots: list[Slot | None] = [None] * (self.config.slots + 1)
         self._persisting: list[Future | None] = [None] * (self.config.slots + 1)
         self._replicas = replica_restore.ReplicaHook(self)
+        self._writer = verify.writer_identity()  # in every snapshot's metadata and in the hello
         self._client = SaverClient(self.run_dir, self.rank, start_timeout=self.config.saver_start_timeout_s,
-                                   hello=self._replicas.hello())
+                                   hello={**self._replicas.hello(), "writer": self._writer})
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-copy")
+        self._sums = verify.Checksummer()
+        self._verified: set[tuple[str, int]] = set()  # (slot path, seq) checked whole by check_memory()
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-prefault")
         self._snapshot: Future | None = None
         self._snapshot_copy: devices.DeviceCopy | None = None
@@ -105,6 +120,7 @@ class Checkpointer(LoadPath):
         self._hooks: list[Any] = []
         self._lock = threading.RLock()
         self._closed = False
+        self._leaving = False  # set by an unclean shutdown: unanswered requests are left to the saver
         self._view: lineage.View | None = None
         self._decided = False
         self._unpublished: dict[str, Any] | None = None  # the attempt's record, written at its first save
@@ -217,13 +233,14 @@ class Checkpointer(LoadPath):
             devices.check_plan(plan)  # before any slot is touched
             if overlap:
                 self._warn_if_unwaited()
-            end = plan.layout(HEADER_SIZE)
+            extents = len(plan.regions) + len(plan.files)  # the checksum table sits before the metadata
+            table, end = verify.place(plan.layout(HEADER_SIZE), extents)
             view = self._lineage_view()
             meta = {
                 "format": 1, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "job": self.job_key, "time": time.time(), "user": dict(metadata or {}), **plan.metadata(),
                 "persist_target": self._persist_target(),  # lets a launcher or the CLI persist it later
-                "tag": view.tag(),
+                "tag": view.tag(), "checksums": verify.describe(table, extents), "writer": self._writer,
             }
             index, reason = self._choose_slot(hold=end if persist else 0)
             if index is None:
@@ -235,6 +252,7 @@ class Checkpointer(LoadPath):
             raw_meta = json.dumps(meta, separators=(",", ":")).encode()
             pin = devices.device_index(plan)
             front = _CopyFront(plan) if pin is None and self._slot(index) is None else None
+            self._sums.release(self._slots[index])  # a checksum of this slot's last snapshot stops
             try:  # a new slot for a host copy is not pre-faulted here: the helper below faults it in
                 slot = self._ensure_slot(index, end + len(raw_meta), pin=pin, populate=front is None)
             except SharedMemoryError as exc:
@@ -340,11 +358,15 @@ class Checkpointer(LoadPath):
         """
         self.wait_for_snapshot()
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         for result in list(self._pending):
-            result.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            result.wait(left())
         self._pending = [r for r in self._pending if not r._durable.done()]
         newest = self._newest_persist
-        return None if newest is None else newest.wait()
+        return None if newest is None else newest.wait(left())
 
     def close(self, *, wait: bool = True) -> None:
         """Finish in-flight work, leave the saver, and free this rank's shared memory."""
@@ -447,8 +469,10 @@ class Checkpointer(LoadPath):
             fault_point("trainer.sealed")  # sealed, the saver not yet asked
         except Exception as exc:
             return self._failed(slot, step, durable, stream, exc)
-        if index < len(self.slot_paths):  # a held slot lives only until its persist: never replicated
-            self._replicas.sealed(slot.path, step, seq)  # peers copy it in the background
+        # The data's checksums, on a helper thread (see verify); then the peers copy it in the
+        # background (a held slot lives only until its persist: never replicated).
+        offer = functools.partial(self._replicas.sealed, slot.path, step, seq) if index < len(self.slot_paths) else None
+        self._sums.schedule(slot, seq, offer)
         if durable is not None and not stream:
             self._persisting[index] = durable
             try:
@@ -502,11 +526,19 @@ class Checkpointer(LoadPath):
         again once: the slot still holds the snapshot, and rewriting files is idempotent.
         """
         request = {"op": "persist", **self._persist_request(step, seq, slot.path, sid)}
-        answer: dict[str, Any] = {}
+        answer: dict[str, Any] | None = {}
+        left = {"ok": False, "error": f"the process left before step {step} was persisted; the node's saver "
+                "persists it from the slot"}
         for attempt in range(2):
+            if self._leaving:  # the request is in the slot: the saver takes it up when this process is gone
+                durable.set_result(left)
+                return
             try:
                 self._client.connect()
-                answer = self._client.request(request).result()
+                answer = self._await_answer(self._client.request(request))
+                if answer is None:
+                    durable.set_result(left)
+                    return
                 break
             except SaverProcessError as exc:
                 answer = {"ok": False, "error": f"the saver is unavailable: {exc}"}
@@ -520,10 +552,30 @@ class Checkpointer(LoadPath):
             answer = {"ok": False, "error": error}
         durable.set_result(answer)
 
+    def _await_answer(self, future: Future) -> dict[str, Any] | None:
+        """The saver's answer to a request; None when this process is exiting on an error and
+        ``ERROR_EXIT_WAIT_S`` have passed (the interpreter joins this thread before any atexit
+        hook runs, and the answer may wait for a commit that a lost peer never completes)."""
+        exiting_since = None
+        while True:
+            try:
+                return future.result(timeout=0.25)
+            except concurrent.futures.TimeoutError:
+                if self._leaving:
+                    return None
+                if not _EXITING.is_set() or getattr(sys, "last_value", None) is None:
+                    continue  # training goes on, or a clean exit: a clean end waits until it is durable
+                exiting_since = exiting_since or time.monotonic()
+                if time.monotonic() - exiting_since > ERROR_EXIT_WAIT_S:
+                    logger.warning("[RANK %d] exiting on an error with a persist unanswered; the node's saver "
+                                   "finishes it (a step a lost peer cannot complete is not committed)", self.rank)
+                    return None
+
     def _persist_request(self, step: int, seq: int, slot_path: str, sid: str) -> dict[str, Any]:
         """What the saver needs to persist one snapshot (sent to it, and kept in the slot)."""
         request = {"rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq, "slot": slot_path,
-                   "sid": sid, "tag": self._lineage_view().tag(), "pid": os.getpid(), **self._persist_target()}
+                   "sid": sid, "tag": self._lineage_view().tag(), "pid": os.getpid(), "writer": self._writer,
+                   **self._persist_target()}
         if slot_path == self._held_path:
             request["held"] = True  # the saver unmaps it afterwards: its memory goes once it is released
         return request
@@ -665,11 +717,16 @@ class Checkpointer(LoadPath):
         return self.slot_paths[index] if index < len(self.slot_paths) else self._held_path
 
     def _busy(self, index: int) -> bool:
-        pending = self._persisting[index]
-        if pending is not None and not pending.done():
-            return True
+        """A slot is busy while the saver reads it, and while a persist asked of it is unanswered
+        and the rank's own files are not yet durable: global rank 0's answer waits for the commit,
+        which waits for every rank, but once this rank's files are written the slot may take the
+        next save (a commit held up by a slow or lost rank never stalls this rank's saves)."""
         slot = self._slot(index)
-        return slot is not None and (locked_by_saver(slot) or _persist_outstanding(slot))
+        state = _persist_state(slot) if slot is not None else None
+        pending = self._persisting[index]
+        if pending is not None and not pending.done() and state != "done":
+            return True
+        return slot is not None and (locked_by_saver(slot) or state == "outstanding")
 
     def _slot(self, index: int) -> Slot | None:
         """The mapped slot ``index``; remapped when its file was removed or replaced."""
@@ -677,6 +734,7 @@ class Checkpointer(LoadPath):
         if slot is not None and slot.replaced():
             logger.warning("[RANK %d] shared-memory slot %s was removed or replaced under this job; "
                            "its snapshot is gone", self.rank, slot.path)
+            self._sums.release(slot)
             slot.close()
             slot = self._slots[index] = None
         if slot is None and index < len(self.slot_paths):  # the held slot is mapped only by the code
@@ -704,7 +762,10 @@ class Checkpointer(LoadPath):
         if slot is None:
             slot = self._slots[index] = Slot.create_or_open(self._path(index), nbytes, populate=populate)
         else:
+            unsummed = self._sums.release(slot) if nbytes > slot.size else []  # growing remaps it
             slot.ensure_size(nbytes)
+            for seq, then in unsummed:  # its bytes are kept
+                self._sums.schedule(slot, seq, then)
         if slot.size != size_before and index < len(self.slot_paths):
             self._requester.submit(self._announce_slot, slot.path)
         if pin is not None and self.config.pin_memory and slot.needs_pin:
@@ -766,11 +827,16 @@ class Checkpointer(LoadPath):
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        if not clean:  # answers still awaited (a commit a lost peer holds up) are not waited for
+            self._leaving = True
+            self._client.close(clean=False)
         for hook in self._hooks:
             hook.remove()
         self._background.shutdown(wait=True)  # a queued purge (retention after a direct commit) still runs
         self._copier.shutdown(wait=True)
         self._lineage_writer.shutdown(wait=True)  # a first save's seal hands its persist to the requester
+        self._sums.wait()  # slots left for a restart keep their checksums
+        self._sums.close()
         self._requester.shutdown(wait=True)
         self._replicas.close()
         self._client.close(clean=clean)
@@ -823,19 +889,27 @@ class _AtExit:
         checkpointer = self._ref()
         if checkpointer is None or checkpointer._closed:
             return
+        failing = getattr(sys, "last_value", None) is not None  # the interpreter printed an uncaught error
         try:
-            checkpointer.wait()
+            checkpointer.wait(ERROR_EXIT_WAIT_S if failing else None)
+        except concurrent.futures.TimeoutError:
+            logger.warning("[RANK %d] exiting on an error with checkpoints still being persisted or committed; "
+                           "the node's saver finishes them (a step a lost peer cannot complete is not committed)",
+                           checkpointer.rank)
         except Exception as exc:
             logger.error("[RANK %d] in-flight checkpoints did not finish at exit: %s", checkpointer.rank, exc)
         checkpointer._shutdown(clean=False)
 
 
-def _persist_outstanding(slot: Slot) -> bool:
-    """A complete snapshot was to be persisted and no saver has finished it (e.g. its process died)."""
+def _persist_state(slot: Slot) -> str | None:
+    """For a complete snapshot that was to be persisted: ``"done"`` once the saver has written this
+    rank's files (its done or failed marker), ``"outstanding"`` while no saver has finished it
+    (e.g. its process died); else None."""
     try:
         header = slot.read_header()
     except CorruptCheckpointError:
-        return False
-    return (header is not None and header.state is SlotState.COMPLETE and header.persist_req == header.seq
-            and header.persist_done < header.persist_req)
+        return None
+    if header is None or header.state is not SlotState.COMPLETE or header.persist_req != header.seq:
+        return None
+    return "done" if header.persist_done >= header.seq else "outstanding"
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -144,6 +145,16 @@ def files_dir(storage: Storage, layout: Layout, step: int, record: dict[str, Any
     if final and path != final and not storage.exists(path):
         return final  # moved (a rename: all of it or none of it)
     return path
+
+
+def file_mismatch(path: str, data: bytes, entry: dict[str, Any]) -> str | None:
+    """Why the bytes read from committed file ``path`` are not the ones its rank marker ``entry``
+    recorded (size and crc32), or None when they are."""
+    crc = zlib.crc32(data)
+    if len(data) == entry["size"] and crc == entry["crc32"]:
+        return None
+    return (f"{path}: size/checksum {len(data)}/{crc} differ from the {entry['size']}/{entry['crc32']} recorded "
+            "when it was written; the file was changed or truncated after the commit")
 
 
 def failure_record(storage: Storage, step: int) -> dict[str, Any] | None:

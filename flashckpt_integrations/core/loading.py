@@ -10,18 +10,27 @@ the first ``save()`` (a fresh start); from then on every query and load sees tha
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .._utils import devices
 from .._utils.locks import lock_held
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, LayoutMismatchError
-from . import collectives, lineage
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FlashCkptError,
+    LayoutMismatchError,
+    StorageError,
+)
+from . import collectives, lineage, verify
 from .codecs import decode_from_slot, read_file
 from .layout import commit_record, commit_records, files_dir, read_json
 from .restore import copy_into_target, is_files
@@ -138,6 +147,47 @@ class LoadPath:
         fetched = in_every_rank - before
         return max(fetched) if fetched else None
 
+    def check_memory(self, step: int) -> bool:
+        """Verify every rank's memory snapshot of ``step`` against its checksums (collective).
+
+        For adapters that choose the step themselves and then read the snapshot their own way:
+        a rank whose copy fails (or has no checksums) invalidates it and says so in a WARNING, and
+        every rank gets ``False`` (choose again: :meth:`memory_steps` no longer lists it there).
+        A snapshot checked here is not checked again by the next restore in this process.
+        """
+        self._check_open()
+        self.wait_for_snapshot()
+        self._sums.wait()
+        snapshot = self._memory_snapshots().get(step)
+        error = "no snapshot of this step" if snapshot is None else None
+        if snapshot is not None:
+            slot, meta = snapshot
+            try:
+                header = slot.read_header()
+                check = self._open_check(slot, header, meta)
+                check.check()
+                self._verified.add((slot.path, header.seq))
+            except CorruptCheckpointError as exc:
+                error = str(exc)
+                logger.warning("[RANK %d] the snapshot of step %d in memory failed verification and is discarded: "
+                               "%s", self.rank, step, exc)
+                slot.invalidate()
+        errors = collectives.all_gather_object(error, self.world_size, self.process_group)
+        return not any(errors)
+
+    def _open_check(self, slot: Slot, header: Any, meta: dict[str, Any]) -> verify.SnapshotCheck:
+        """The snapshot's checksums; where they are missing (this rank's last process was killed
+        right after the seal), first wait for the node's saver, which sums what a dead rank left
+        behind before it answers a new rank."""
+        try:
+            return verify.open_check(slot, header, meta)
+        except verify.UnverifiedSnapshotError:
+            try:
+                self._client.connect()
+            except FlashCkptError as exc:
+                logger.debug("[RANK %d] no saver to sum step %d: %s", self.rank, header.step, exc)
+            return verify.open_check(slot, header, meta)
+
     def _agree(self, memory: Mapping[int, Any], newest_commit: int | None) -> tuple[list[Any], set[int]]:
         """Every rank's memory steps and newest commit (collective), and the steps every rank holds."""
         views = collectives.all_gather_object([sorted(memory), newest_commit], self.world_size, self.process_group)
@@ -157,61 +207,141 @@ class LoadPath:
         Collective when a process group is initialised: every rank must call it. With
         ``target`` (the live state, as passed to ``save``) tensors are copied in place into
         the target's tensors; otherwise fresh tensors are returned.
+
+        Every byte is verified against the checksum taken when it was saved (a memory snapshot's
+        table, see :mod:`.verify`; a committed file's crc32) before training can see it. When a
+        rank's copy fails, every rank falls back together to the newest step that all of them can
+        serve verified (another snapshot in memory, a peer's replica, storage, then nothing), with
+        one WARNING per fallback; the bad snapshot is invalidated so no restart takes it again.
+        ``LoadResult.tiers`` says which tier served each rank.
         """
         self._check_open()
         self.wait_for_snapshot()
+        self._sums.wait()  # this process's own snapshots are verified against tables it is writing
         weights_only = self.config.weights_only if weights_only is None else weights_only
-        memory = self._memory_snapshots() if prefer_memory else {}
-        records = self._commit_records()
-        committed = sorted(records)
         if prefer_memory:
             self._replicas.prepare_load()
+        fallback, started = _Fallback(), time.perf_counter()  # the log gives the whole restore, fallbacks too
+        while True:
+            choice = self._choose(step, prefer_memory, fallback)
+            if choice.step is None:
+                self._decide(choice)
+                if fallback.events:
+                    logger.warning("[RANK %d] no verified checkpoint is left after %s; starting from scratch",
+                                   self.rank, "; ".join(fallback.events))
+                return None
+            outcome = self._restore(choice, target, map_location, weights_only, fused=bool(choice.committed))
+            outcomes = collectives.all_gather_object(outcome[1:], self.world_size, self.process_group)
+            if all(o[0] == "ok" for o in outcomes):
+                break
+            fallback.failed(self, choice, outcome[0], outcomes, explicit=step is not None)
+        self._decide(choice)
+        files, source = outcome[0], outcomes[self.rank][1]
+        logger.info("[RANK %d] loaded step %d from %s in %.3fs", self.rank, choice.step, source,
+                    time.perf_counter() - started)
+        return LoadResult(choice.step, "memory" if choice.memory else "storage", files,
+                          tiers={rank: o[1] for rank, o in enumerate(outcomes)}, fallbacks=list(fallback.events))
+
+    def _choose(self, step: int | None, prefer_memory: bool, fallback: _Fallback) -> _Choice:
+        """The step every rank restores next (collective): the newest one every rank holds in
+        memory (its own slot or a peer's replica) at least as new as the newest commit, else the
+        newest commit; steps that failed verification are left out."""
+        memory = self._memory_snapshots() if prefer_memory else {}
+        memory = {s: v for s, v in memory.items() if s not in fallback.memory}
+        records = {s: r for s, r in self._commit_records().items() if s not in fallback.commits}
+        committed = sorted(records)
         views, in_every_rank = self._agree(memory, committed[-1] if committed else None)
         newest_commit = views[0][1]
+        fetched = False
         if prefer_memory:  # a rank whose node lost its memory may fetch the step from a peer's replica
+            before = set(memory)
             memory, in_every_rank = self._replicas.resolve(memory, views, in_every_rank, newest_commit, step)
+            memory = {s: v for s, v in memory.items() if s not in fallback.memory}
+            in_every_rank -= fallback.memory
+            fetched = bool(set(memory) - before)
         if step is None:
             eligible = [s for s in in_every_rank if newest_commit is None or s >= newest_commit]
             chosen_memory = max(eligible) if eligible else None
-            step = chosen_memory if chosen_memory is not None else newest_commit
+            chosen = chosen_memory if chosen_memory is not None else newest_commit
         else:
+            chosen = step
             chosen_memory = step if step in in_every_rank else None
-        if not self._decided:  # this attempt continues the lineage of what it loads, or starts one
-            if step is None:
-                self._begin(None, None)
-            else:
-                tag = memory[step][1].get("tag") if chosen_memory is not None else self._any_record(step, records)
-                self._begin(tag, step)
-        if step is None:
-            return None
-        started = time.perf_counter()
-        locations: dict[int, str] | None = None
-        if chosen_memory is not None:
-            slot, meta = memory[step]
-            keep = map_location
-            if target is not None and map_location is None:  # restore straight from the slot (item 9)
-                locations = {}
-                keep = functools.partial(_keep_on_host, locations)
-                # a process holds a CUDA tensor only once CUDA is initialised: skip the walk on a CPU job
-                cuda = devices.cuda_index_of(target) if torch.cuda.is_initialized() else None
-                if cuda is not None and self.config.pin_memory and slot.needs_pin:
-                    slot.pin(cuda)  # a slot re-attached after a restart is not page-locked yet
-            files = {
-                f["path"]: decode_from_slot(slot, meta["regions"], f, weights_only=weights_only,
-                                            map_location=keep, copy=target is None)
-                for f in meta["files"]
-            }
-            source = "memory"
-            self._replicas.restored(slot)
+        return _Choice(chosen, chosen_memory is not None, memory, records, committed, fetched)
+
+    def _decide(self, choice: _Choice) -> None:
+        """This attempt continues the lineage of what it loaded, or starts one (once)."""
+        if self._decided:
+            return
+        if choice.step is None:
+            self._begin(None, None)
         else:
-            files = self._load_from_storage(step, weights_only, map_location)
-            source = "storage"
-        if target is not None:
-            files = copy_into_target(files, self._files(target, None) if not is_files(target) else target,
-                                     locations)
-        logger.info("[RANK %d] loaded step %d from %s in %.3fs", self.rank, step, source,
-                    time.perf_counter() - started)
-        return LoadResult(step, source, files)
+            tag = (choice.snapshots[choice.step][1].get("tag") if choice.memory
+                   else self._any_record(choice.step, choice.records))
+            self._begin(tag, choice.step)
+
+    def _restore(self, choice: _Choice, target: Any, map_location: Any, weights_only: bool, *, fused: bool
+                 ) -> tuple[Any, str, str, str | None]:
+        """Restore ``choice`` on this rank: ``(files, "ok" | "failed" | "fatal", tier, reason)``.
+
+        A failed verification (or an unreadable copy) is ``"failed"``: the ranks fall back. Any other
+        error is ``"fatal"``: every rank raises it, none waits on the others. ``fused``: the
+        host copies verify as they go (a failure leaves the targets half-written, so only where
+        a commit exists to restore over them); otherwise everything is checked before the copy.
+        """
+        step = choice.step
+        tier = ("replica" if choice.fetched and self._replicas.fetched and self._replicas.fetched.get("step") == step
+                else "memory") if choice.memory else "storage"
+        try:
+            if choice.memory:
+                slot, meta = choice.snapshots[step]
+                files = self._restore_memory(slot, meta, target, map_location, weights_only, fused)
+                self._replicas.restored(slot)
+            else:
+                files = self._load_from_storage(step, weights_only, map_location)
+                if target is not None:
+                    files = copy_into_target(files, self._files(target, None) if not is_files(target) else target)
+        except (CorruptCheckpointError, OSError, StorageError) as exc:
+            return None, "failed", tier, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            if self.world_size == 1:
+                raise
+            return exc, "fatal", tier, f"{type(exc).__name__}: {exc}"
+        return files, "ok", tier, None
+
+    def _restore_memory(self, slot: Slot, meta: dict[str, Any], target: Any, map_location: Any,
+                        weights_only: bool, fused: bool) -> dict[str, Any]:
+        """Decode a snapshot from its slot (into ``target``), verified against its checksum table."""
+        header = slot.read_header()
+        if header is None or header.state is not SlotState.COMPLETE:
+            raise CorruptCheckpointError(f"slot {slot.path} changed while it was being restored")
+        check = self._open_check(slot, header, meta)
+        fuse = None
+        if (slot.path, header.seq) not in self._verified:  # (check_memory() has just checked all of it)
+            if target is None or not fused:
+                check.check()
+            else:
+                check.check(check.blobs())  # before anything is unpickled
+                base = slot.buffer.data_ptr()
+
+                def fuse(pairs: list[Any]) -> list[Any]:
+                    copies, rest = check.fuse(pairs, base)
+                    check.check(rest)
+                    return copies
+        keep, locations = map_location, None
+        if target is not None and map_location is None:  # restore straight from the slot
+            locations = {}
+            keep = functools.partial(_keep_on_host, locations)
+            # a process holds a CUDA tensor only once CUDA is initialised: skip the walk on a CPU job
+            cuda = devices.cuda_index_of(target) if torch.cuda.is_initialized() else None
+            if cuda is not None and self.config.pin_memory and slot.needs_pin:
+                slot.pin(cuda)  # a slot re-attached after a restart is not page-locked yet
+        files = {f["path"]: decode_from_slot(slot, meta["regions"], f, weights_only=weights_only,
+                                             map_location=keep, copy=target is None)
+                 for f in meta["files"]}
+        if target is None:
+            return files
+        return copy_into_target(files, self._files(target, None) if not is_files(target) else target, locations,
+                                fuse)
 
     def read_file(self, step: int, path: str, codec: Codec | str = Codec.TORCH, **kwargs: Any) -> Any:
         """Read any file of committed ``step`` from storage (for loading into another layout)."""
@@ -297,3 +427,61 @@ def _keep_on_host(locations: dict[int, str], storage: torch.UntypedStorage, loca
 def locked_by_saver(slot: Slot) -> bool:
     """The saver holds an exclusive lock on a slot file while it persists it."""
     return lock_held(slot.path, exclusive_only=True)
+
+
+@dataclass
+class _Choice:
+    """What the ranks agreed to restore: a step, from memory or storage, and what they saw."""
+
+    step: int | None
+    memory: bool
+    snapshots: dict[int, tuple[Slot, dict[str, Any]]]
+    records: dict[int, dict[str, Any]]
+    committed: list[int]
+    fetched: bool
+
+
+@dataclass
+class _Fallback:
+    """The steps one ``load()`` left out after a failed verification, and what it logged."""
+
+    memory: set[int] = field(default_factory=set)
+    commits: set[int] = field(default_factory=set)
+    tries: Counter = field(default_factory=Counter)
+    events: list[str] = field(default_factory=list)
+
+    def failed(self, ck: Any, choice: _Choice, files: Any, outcomes: list[Any], *, explicit: bool) -> None:
+        """Every rank, after a restore some rank failed: invalidate this rank's bad copy, leave
+        the step's tier out (a memory step after its second failure: its first may be followed
+        by a fetch from a peer's replica), or raise what cannot fall back."""
+        step, rank = choice.step, ck.rank
+        fatal = [(r, o) for r, o in enumerate(outcomes) if o[0] == "fatal"]
+        if fatal:
+            if isinstance(files, Exception):
+                raise files  # this rank's own error, as it was raised
+            raise FlashCkptError(f"restoring step {step} failed on another rank: " +
+                                 "; ".join(f"rank {r}: {o[2]}" for r, o in fatal))
+        failures = [(r, o) for r, o in enumerate(outcomes) if o[0] == "failed"]
+        what = "; ".join(f"rank {r} ({o[1]}): {o[2]}" for r, o in failures)
+        if outcomes[rank][0] == "failed":
+            logger.warning("[RANK %d] step %d from %s failed verification: %s; every rank falls back",
+                           rank, step, outcomes[rank][1], outcomes[rank][2])
+        elif rank == 0:
+            logger.warning("[RANK 0] step %d could not be restored verified on every rank (%s); every rank "
+                           "falls back", step, what)
+        self.events.append(f"step {step}: {what}")
+        if choice.memory:
+            if outcomes[rank][0] == "failed":
+                slot = choice.snapshots[step][0]
+                with contextlib.suppress(Exception):
+                    slot.invalidate()  # never taken again, by this load or a restart
+            self.tries[step] += 1
+            if self.tries[step] >= 2 or not any(o[1] == "memory" for _, o in failures):
+                self.memory.add(step)
+            return
+        self.commits.add(step)
+        if explicit or not [s for s in choice.committed if s not in self.commits]:
+            raise CorruptCheckpointError(
+                f"committed step {step} in {ck.url} failed verification and no older verified checkpoint is "
+                f"left: {what}. Restore the file from a backup, or delete the step to start over")
+

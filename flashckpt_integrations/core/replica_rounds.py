@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 from .. import knobs
 from .._utils.cpus import affinity_cpus
 from ..errors import CorruptCheckpointError, SharedMemoryError
-from . import peers
+from . import peers, verify
 from .protocol import SLOTS_FILE
 from .replica_slots import ReplicaSkipped, head_of
 from .shm_buffer import Slot, SlotHeader, SlotState
@@ -214,6 +214,8 @@ class Rounds:
         first piece that finds it free (a persist may hold it at first) until its bytes are
         copied. A save that finds no other slot free raises the slot's ``wanted``, and the copy
         lets go at once (it is dropped)."""
+        if not verify.await_table(slot, header, verify.TABLE_WAIT_S):  # a copy without it is never restored
+            return f"rank {rank}'s snapshot of step {header.step} has no checksums yet"
         locked = [False]
         asked = slot.wanted()
 

@@ -143,6 +143,8 @@ class ReplicaStore:
         self._slots: dict[str, Slot] = {}
         self._readers: dict[str, int] = {}
         self._writing: set[int] = set()
+        self._closed = False
+        """Once closed (or removed at a clean end), a receive still running makes no new slot."""
 
     def _slot(self, path: str) -> Slot | None:
         slot = self._slots.get(path)
@@ -217,6 +219,8 @@ class ReplicaStore:
         return path
 
     def _sized(self, path: str, nbytes: int) -> Slot:
+        if self._closed:
+            raise ReplicaSkipped("the replica store is closed (the job is ending)")
         slot = self._slot(path)
         have = slot.size if slot is not None else 0
         grow = max(0, int(nbytes * GROWTH) - have) if nbytes > have else 0
@@ -321,6 +325,7 @@ class ReplicaStore:
     def remove_all(self) -> None:
         """Unlink every replica slot of the job (the job ended cleanly)."""
         with self._lock:
+            self._closed = True
             for slot in self._slots.values():
                 slot.close()
             self._slots.clear()
@@ -331,6 +336,7 @@ class ReplicaStore:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for slot in self._slots.values():
                 slot.close()
             self._slots.clear()

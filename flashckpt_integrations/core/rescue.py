@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,11 +46,12 @@ from .layout import (
     committed_steps,
     failure_record,
 )
+from .persister import Persister
 from .protocol import SLOTS_FILE
 from .replica_slots import replica_paths, verify
-from .saver import Saver
-from .shm_buffer import Slot, SlotState
+from .shm_buffer import Slot, SlotState, attach_complete
 from .storage import Storage, storage_from_url
+from .verify import TABLE_WAIT_S, check_slot
 
 logger = logging.getLogger(__name__)
 
@@ -171,13 +173,11 @@ def read_snapshots(slots: Mapping[int, Sequence[str]]) -> tuple[dict[int, dict[i
 
 
 def _read_slot(rank: int, path: str) -> Snapshot | None:
-    slot = Slot.attach(path)
-    if slot is None:
+    found = attach_complete(path)
+    if found is None:
         return None
+    slot, header = found
     try:
-        header = slot.read_header()
-        if header is None or header.state is not SlotState.COMPLETE:
-            return None
         meta = slot.read_metadata(header)
     finally:
         slot.close()
@@ -240,10 +240,17 @@ def persist_newest(slots: Mapping[int, Sequence[str]], *, replicas: Mapping[int,
     newest = max(snapshots, key=lambda s: s.step)
     view = lineage.view_of(storage, newest.meta.get("tag"))  # commits of abandoned attempts do not count
     committed = sorted(s for s, record in commit_records(storage).items() if view.accepts(record, s))
-    step, why = choose_step(held, committed[-1] if committed else None)
-    if step is None:
-        return RescueResult(RescueStatus.NOTHING, why)
-    chosen = [held[rank][step] for rank in sorted(held)]
+    while True:  # never persist bytes that differ from what was saved: a bad copy is left out, choose again
+        step, why = choose_step(held, committed[-1] if committed else None)
+        if step is None:
+            return RescueResult(RescueStatus.NOTHING, why)
+        chosen = [held[rank][step] for rank in sorted(held)]
+        bad = _unverified(chosen)
+        if not bad:
+            break
+        for snapshot, problem in bad:
+            logger.warning("rank %d's snapshot of step %d is not persisted: %s", snapshot.rank, step, problem)
+            del held[snapshot.rank][step]
     mismatch = _mismatch(chosen)
     if mismatch:
         return RescueResult(RescueStatus.FAILED, mismatch, step)
@@ -275,6 +282,19 @@ def _with_replicas(slots: Mapping[int, Sequence[str]], replicas: Mapping[int, Se
     return merged, notes
 
 
+def _unverified(chosen: Sequence[Snapshot]) -> list[tuple[Snapshot, str]]:
+    """The snapshots whose bytes do not match the checksums taken when they were saved (or have none)."""
+    out = []
+    for snapshot in chosen:
+        found, deadline = check_slot(snapshot.path), time.monotonic() + TABLE_WAIT_S
+        while found["status"] == "unverified" and time.monotonic() < deadline:
+            time.sleep(0.02)
+            found = check_slot(snapshot.path)
+        if found["status"] != "ok" or found["step"] != snapshot.step:
+            out.append((snapshot, found["detail"] or f"the slot now holds {found['status']} step {found['step']}"))
+    return out
+
+
 def _mismatch(chosen: Sequence[Snapshot]) -> str | None:
     """Why the ranks' snapshots of one step cannot make one checkpoint, or None."""
     roots = {(s.target or {}).get("root") for s in chosen}
@@ -290,20 +310,30 @@ def _persist_and_commit(chosen: Sequence[Snapshot], storage: Storage, progress: 
                         commit_timeout: float | None) -> RescueResult:
     step, ranks = chosen[0].step, [s.rank for s in chosen]
     requests = [_request(s, commit_timeout) for s in chosen]
-    saver = _RescueSaver(progress, sum(s.nbytes for s in chosen))
+    counter, opened = _ByteCounter(progress, sum(s.nbytes for s in chosen)), Persister()
+    persister = Persister(lambda request: _CountingStorage(opened.storage(request), counter))
+
+    def try_persist(request: dict[str, Any]) -> str | None:
+        try:
+            persister.persist(request)
+        except Exception as exc:  # reported per rank below
+            logger.error("rank %s could not persist step %s: %s", request["rank"], request["step"], exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
     try:
         logger.info("persisting step %d of ranks %s from memory", step, ranks)
         with ThreadPoolExecutor(min(8, len(requests)), thread_name_prefix="flashckpt-rescue") as pool:
-            errors = dict(zip(ranks, pool.map(saver.try_persist, requests)))
+            errors = dict(zip(ranks, pool.map(try_persist, requests)))
         failed = {r: e for r, e in errors.items() if e is not None}
         if 0 in ranks:
-            saver.commit(requests[ranks.index(0)], failed.get(0))
+            persister.commit(requests[ranks.index(0)], failed.get(0))
         elif failed:
             return RescueResult(RescueStatus.FAILED, f"ranks {sorted(failed)} could not persist step {step}: "
-                                f"{failed}", step, ranks, saver.counter.done)
+                                f"{failed}", step, ranks, counter.done)
     finally:
-        saver.close()
-    written = saver.counter.done  # the ranks' files (and the tracker, when this node committed)
+        persister.close()
+    written = counter.done  # the ranks' files (and the tracker, when this node committed)
     if commit_record(storage, step) is not None:
         return RescueResult(RescueStatus.COMMITTED, f"step {step} is committed (ranks {ranks} persisted from "
                             "memory on this node)", step, ranks, written)
@@ -325,32 +355,6 @@ def _request(snapshot: Snapshot, commit_timeout: float | None) -> dict[str, Any]
     if commit_timeout is not None:
         request["commit_timeout"] = commit_timeout
     return request
-
-
-class _RescueSaver(Saver):
-    """The saver's ``persist`` and ``commit``, run in this process, counting the bytes written."""
-
-    def __init__(self, progress: Progress | None, total: int) -> None:
-        super().__init__(run_dir="", watch_pid=None)
-        self.counter = _ByteCounter(progress, total)
-
-    def _storage(self, request: dict[str, Any]) -> Storage:
-        return _CountingStorage(super()._storage(request), self.counter)
-
-    def try_persist(self, request: dict[str, Any]) -> str | None:
-        try:
-            self.persist(request)
-        except Exception as exc:  # reported per rank by the caller
-            logger.error("rank %s could not persist step %s: %s", request["rank"], request["step"], exc)
-            return f"{type(exc).__name__}: {exc}"
-        return None
-
-    def close(self) -> None:
-        for slot in self.slots.values():
-            slot.close()
-        self.slots.clear()
-        self.selector.close()
-        self.commit_executor.shutdown(wait=False)
 
 
 class _ByteCounter:

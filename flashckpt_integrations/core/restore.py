@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ import torch
 from .._utils.cpus import affinity_cpus
 from .._utils.devices import synchronize_current
 from ..errors import LayoutMismatchError
+from . import verify
 from .state import FileSpec
 
 
@@ -19,7 +20,9 @@ def is_files(target: Any) -> bool:
 
 
 def copy_into_target(files: dict[str, Any], target_files: Mapping[str, Any],
-                     locations: Mapping[int, str] | None = None) -> dict[str, Any]:
+                     locations: Mapping[int, str] | None = None,
+                     fuse: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[Any]] | None = None
+                     ) -> dict[str, Any]:
     """Copy loaded tensors into the target's; the rest are cloned.
 
     With ``locations`` (storage ``data_ptr`` -> saved location, from a load that kept every
@@ -27,6 +30,11 @@ def copy_into_target(files: dict[str, Any], target_files: Mapping[str, Any],
     into its target (host-to-device, asynchronous from a page-locked slot: no second copy of the
     state on the device), and one that has no target is cloned onto its saved device. Returns
     once every copy has landed (the slot may be reused after).
+
+    With ``fuse`` (see :meth:`.verify.SnapshotCheck.fuse`) the host copies are verified as they
+    are made: ``fuse`` turns the pairs into ``(target, source, check)`` and checks whatever no
+    copy covers; a mismatch raises :class:`~flashckpt_integrations.errors.CorruptCheckpointError`
+    (the targets then hold part of the bad state: the caller restores another tier over them).
     """
     out = {}
     touched: list[torch.Tensor] = []
@@ -36,7 +44,7 @@ def copy_into_target(files: dict[str, Any], target_files: Mapping[str, Any],
             target = target_files.get(path)
             target = target.obj if isinstance(target, FileSpec) else target
             out[path] = _merge(loaded, target, path, locations, touched, host)
-    copy_on_host(host)
+    copy_on_host(fuse(host) if fuse is not None else host)
     synchronize_current(touched)
     return out
 
@@ -45,13 +53,14 @@ PARALLEL_MIN_BYTES = 64 << 20
 """Host copies smaller than this in all run on the calling thread (a thread costs more than it saves)."""
 
 
-def copy_on_host(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``target.copy_(source)`` for every pair of host tensors, split by bytes over up to
+def copy_on_host(pairs: list[tuple[Any, ...]]) -> None:
+    """``target.copy_(source)`` for every pair of host tensors (a third item, a region check of
+    :mod:`.verify`, makes the copy checksum each chunk right after copying it, from cache), split by bytes over up to
     :func:`host_copy_threads` threads (the caller's among them). A restore holds up training until
     it ends, so the host's other cores are idle meanwhile, and one thread does not saturate memory
     bandwidth (a second one nearly halves a 1 GiB restore on two cores); ``torch.set_num_threads``
     limits torch's own operators, not these copies, which release the GIL."""
-    sizes = [t.numel() * t.element_size() for t, _ in pairs]
+    sizes = [pair[0].numel() * pair[0].element_size() for pair in pairs]
     total, threads = sum(sizes), min(host_copy_threads(), len(pairs))
     if threads < 2 or total < PARALLEL_MIN_BYTES:
         _copy_pairs(pairs)
@@ -81,15 +90,32 @@ def host_copy_threads() -> int:
     return min(4, affinity_cpus())
 
 
-def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], errors: list[Exception] | None = None) -> None:
+def _copy_pairs(pairs: list[tuple[Any, ...]], errors: list[Exception] | None = None) -> None:
     try:
         with torch.no_grad():  # grad mode is per thread
-            for target, source in pairs:
-                target.copy_(source)
+            for target, source, *check in pairs:
+                if check and check[0] is not None:
+                    _copy_checked(target, source, check[0])
+                else:
+                    target.copy_(source)
     except Exception as exc:  # a helper thread's error is raised on the caller's
         if errors is None:
             raise
         errors.append(exc)
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, check: Any) -> None:
+    """Copy contiguous ``source`` into ``target`` a chunk at a time, summing each source chunk
+    right after its copy (it is in cache then); raise when the sum is not the expected one."""
+    dst = target.reshape(-1).view(torch.uint8)
+    src = source.reshape(-1).view(torch.uint8)
+    view = memoryview(src.detach().numpy())
+    value = 0
+    for start in range(0, len(view), verify.CHUNK):
+        dst[start:start + verify.CHUNK].copy_(src[start:start + verify.CHUNK])
+        value = verify.checksum(view[start:start + verify.CHUNK], value)
+    if value != check.expected:
+        raise check.failed()
 
 
 def _merge(loaded: Any, target: Any, where: str, locations: Mapping[int, str] | None = None,

@@ -81,6 +81,11 @@ class LoadResult:
     source: str
     """``"memory"`` or ``"storage"``."""
     files: dict[str, Any]
+    tiers: dict[int, str] = field(default_factory=dict)
+    """Which tier served each rank: ``"memory"`` (its own slot), ``"replica"`` (a peer's copy,
+    fetched into its slot) or ``"storage"``; every byte verified either way."""
+    fallbacks: list[str] = field(default_factory=list)
+    """What failed verification before this step was restored (empty when nothing did)."""
 
     @property
     def state(self) -> Any:

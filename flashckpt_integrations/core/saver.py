@@ -5,7 +5,9 @@ a fork of a trainer, by the first rank of the node that finds none running (a lo
 which). It listens on a Unix socket in the job's private run directory. For each persist
 request it writes the rank's files from its slot through the storage layer, then the rank's
 done marker; the saver that serves global rank 0 is the job's committer: it waits for every
-rank's marker, writes the commit record and the tracker, then applies retention.
+rank's marker, writes the commit record and the tracker, then applies retention (both through
+:class:`.persister.Persister`; this module is the process: socket, connections, the ops,
+recovery of what dead ranks left, when to exit).
 
 It outlives a crashed trainer (finishing what it was given), so the restarted trainer finds
 it again, and it exits once nothing is left in flight and the job is over: every rank closed
@@ -23,7 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import glob
+import functools
 import json
 import logging
 import os
@@ -38,33 +40,23 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import knobs
-from .._utils.faults import fault_point
 from .._utils.locks import same_file
-from ..errors import StorageError
+from .._utils.procs import pid_alive
 from . import commit as commit_protocol
-from . import lineage
-from .layout import (
-    COMMITTED,
-    DELETING,
-    Layout,
-    commit_records,
-    marked_steps,
-    marker_name,
-    now,
-    read_json,
-    write_json,
-    write_rank_done,
-    write_rank_failed,
-)
-from .protocol import LOCK_NAME, LOG_NAME, SLOTS_FILE, SOCKET_NAME, SPAWN_LOCK_NAME
+from . import preemption, verify
+from .layout import Layout, marker_name, read_json
+from .persister import Persister
+from .protocol import LOCK_NAME, LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
 from .replication import Replication
-from .retention import RetentionPolicy
+from .rescue import run_dir_slots
 from .shm_buffer import Slot, SlotState
-from .storage import ENTRY_POINT_GROUP, Storage, remove_stale_temporaries, storage_from_url
-from .writing import write_file
 
 logger = logging.getLogger(__name__)
 
+COMMIT_THREADS = 8
+"""Commits that may wait for their markers at once (a rank has at most a few persists in flight)."""
+SUPERSEDED_GRACE_S = 10.0
+"""The least a commit of a relaunched job's earlier attempt still waits for its missing markers."""
 
 
 class _Connection:
@@ -72,6 +64,8 @@ class _Connection:
         self.sock = sock
         self.buffer = b""
         self.rank: int | None = None
+        self.writer: dict[str, Any] = {}
+        """The identity (pid, token) its process writes into its snapshots' metadata."""
         self.closed = False
         self.lock = threading.Lock()
 
@@ -96,15 +90,20 @@ class Saver:
         self.unclaimed: set[tuple[str, int]] = set()
         """Recovered requests (slot, seq) that no live rank asked for since: their trainer died."""
         self.executors: dict[int, ThreadPoolExecutor] = {}
-        self.commit_executor = ThreadPoolExecutor(1, thread_name_prefix="commit")
+        self.persister = Persister()
+        self.commit_executor = ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="commit")
+        """Commits wait for their markers side by side (:mod:`.persister` switches them one at a time)."""
+        self.writers: dict[int, dict[str, Any]] = {}
+        """The identity of each rank's newest process that said hello (see :meth:`_gave_way`)."""
         self.pending = 0
+        self.persisting = 0
+        """Persists submitted and not finished (``pending`` also counts commits)."""
         self.pending_lock = threading.Lock()
-        self.storages: dict[str, Storage] = {}
-        self.slots: dict[str, Slot] = {}
+        self.stop_deadline: float | None = None
+        """Set when the job is being stopped (SIGTERM, SIGINT): see :mod:`.preemption`."""
         self.recovered: set[tuple[str, int]] = set()
-        self.storage_lock = threading.Lock()
         self.started = time.monotonic()
-        self.replication = Replication(run_dir, self._storage)
+        self.replication = Replication(run_dir, self.persister.storage)
         """Peer replicas of the ranks' snapshots (off until a rank's hello turns it on)."""
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -114,16 +113,28 @@ class Saver:
         self.selector.register(listener, selectors.EVENT_READ, None)
         logger.info("saver %d serving %s (watching pid %s)", os.getpid(), self.run_dir, self.watch_pid)
         self.recover()
-        while not self._should_exit():
-            for key, _ in self.selector.select(timeout=0.5):
-                if key.data is None:
-                    self._accept(listener)
-                else:
-                    self._read(key.data)
+        while self.stop_deadline is None and not self._should_exit():
+            self._serve_once(listener)
+        if self.stop_deadline is not None:  # the job is being stopped: see preemption
+            self.selector.unregister(listener)
+            settle = time.monotonic() + preemption.SETTLE_S
+            while self.connections and time.monotonic() < settle:
+                self._serve_once(listener, timeout=0.05)
+            preemption.drain(self)
+            logger.info("saver %d exiting", os.getpid())
+            self.replication.close(remove=False)
+            return
         logger.info("saver %d exiting", os.getpid())
         for executor in [*self.executors.values(), self.commit_executor]:
             executor.shutdown(wait=True)
         self.replication.close(remove=bool(self.registered) and self.registered <= self.closed_clean)
+
+    def _serve_once(self, listener: socket.socket, timeout: float = 0.5) -> None:
+        for key, _ in self.selector.select(timeout=timeout):
+            if key.data is None:
+                self._accept(listener)
+            else:
+                self._read(key.data)
 
     def _should_exit(self) -> bool:
         with self.pending_lock:
@@ -134,7 +145,7 @@ class Saver:
         if self.registered and self.registered <= self.closed_clean:
             logger.info("every rank closed cleanly; the job is over")
             return True
-        if self.watch_pid and self.watch_pid != 1 and not _pid_alive(self.watch_pid):
+        if not self._launcher_alive():
             logger.info("launcher pid %d is gone and no rank is connected", self.watch_pid)
             return True
         if time.monotonic() - self.idle_since > self.idle_exit_s:
@@ -142,6 +153,13 @@ class Saver:
             logger.info("no rank connected and nothing to do for %.0fs", self.idle_exit_s)
             return True
         return False
+
+    def _launcher_alive(self) -> bool:
+        return not (self.watch_pid and self.watch_pid != 1 and not pid_alive(self.watch_pid))
+
+    def persists_in_flight(self) -> int:
+        with self.pending_lock:
+            return self.persisting
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -178,7 +196,23 @@ class Saver:
         if conn.rank is not None and conn.rank not in self.closed_clean:
             logger.warning("rank %d disconnected without closing (crashed or killed)", conn.rank)
             self.lost_ranks = True
+            self._sum_left_behind(conn.rank, functools.partial(verify.writer_gone, dropped=conn.writer))
             self.recover()
+
+    def _sum_left_behind(self, rank: int, gone: Callable[[Any], bool]) -> None:
+        """Checksum the snapshots a dead rank sealed but did not live to checksum: when its
+        connection drops, and at every hello of the rank (its last process may have died before
+        it connected), before the hello is answered, so a relaunched rank finds them verifiable.
+        A table is tagged with its snapshot's seq and written only while the slot still holds
+        that snapshot; ``gone`` (:func:`.verify.writer_gone`) keeps a live writer's slots out."""
+        for path in run_dir_slots(self.run_dir).get(rank, []):
+            try:
+                summed = verify.sum_left_behind(path, gone)
+            except Exception as exc:  # a damaged or foreign slot: a restore finds it unverified
+                logger.warning("could not checksum rank %d's snapshot in %s: %s", rank, path, exc)
+                continue
+            if summed:
+                logger.info("rank %d died before checksumming its snapshot in %s; summed it now", rank, path)
 
     def recover(self, *, dead_only: bool = False) -> None:
         """Persist the snapshots that a trainer asked to persist but did not live to hand over.
@@ -189,18 +223,13 @@ class Saver:
         ``dead_only``: only the outstanding requests of processes that are gone (a rank killed
         before its hello reached the saver is seen at the next hello, not at a disconnection).
         """
-        for record in glob.glob(os.path.join(self.run_dir, SLOTS_FILE.format(rank="*"))):
-            try:
-                with open(record) as f:
-                    paths = json.load(f)["slots"]
-            except (OSError, ValueError, KeyError):
-                continue
+        for paths in run_dir_slots(self.run_dir).values():
             for path in paths:
                 request, outstanding = _slot_request(path)
                 if request is None or (path, int(request["seq"])) in self.recovered:
                     continue
                 if dead_only and (not outstanding or not isinstance(request.get("pid"), int)
-                                  or _pid_alive(request["pid"])):
+                                  or pid_alive(request["pid"])):
                     continue
                 if outstanding:
                     self.recovered.add((path, int(request["seq"])))
@@ -220,7 +249,7 @@ class Saver:
         record, or finish moving a superseding save into place."""
         try:
             layout, step, sid = Layout(**request["layout"]), int(request["step"]), request.get("sid", "")
-            storage = self._storage(request)
+            storage = self.persister.storage(request)
             names = set(storage.list(layout.marker_dir(step)))
             outcome, _ = commit_protocol.settled(storage, step, sid, names)
             if outcome == "committed":
@@ -231,7 +260,7 @@ class Saver:
             if read_json(storage, layout.rank_marker(step, 0, sid=sid)).get("seq") != int(request["seq"]):
                 return
             logger.warning("the commit of step %d was interrupted; committing it now", step)
-            self.commit(request)
+            self.persister.commit(request, give_way=self._gave_way(request, 0.0))
         except Exception as exc:
             logger.error("could not finish the interrupted commit of step %s: %s", request.get("step"), exc)
         finally:
@@ -247,14 +276,27 @@ class Saver:
         except (ValueError, KeyError) as exc:
             conn.send({"id": None, "ok": False, "error": f"bad request: {exc}"})
             return
+        try:
+            self._dispatch(conn, op, request)
+        except Exception as exc:  # one bad request never takes the saver (and every rank's persists) down
+            logger.error("request %r failed: %s\n%s", op, exc, traceback.format_exc())
+            conn.send({"id": request.get("id"), "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+    def _dispatch(self, conn: _Connection, op: str, request: dict[str, Any]) -> None:
         rid = request.get("id")
         if op == "hello":
             conn.rank = int(request["rank"])
+            conn.writer = dict(request.get("writer") or {})
+            if conn.writer:
+                self.writers[conn.rank] = conn.writer
             self.registered.add(conn.rank)
             self.closed_clean.discard(conn.rank)
             if request.get("replication"):
                 self.replication.configure(request["replication"])
-            self.recover(dead_only=True)  # a rank that died before it said hello left its request unsent
+            # A rank killed before its hello reached this saver (or before this saver was up) left
+            # its sealed snapshots unsummed and its requests unsent: see to both before answering.
+            self._sum_left_behind(conn.rank, functools.partial(verify.writer_gone, hello=conn.writer))
+            self.recover(dead_only=True)
             conn.send({"id": rid, "ok": True, "pid": os.getpid(), "replica_pushes": self.replication.wants_pushes()})
         elif op == "ping":
             conn.send({"id": rid, "ok": True, "pid": os.getpid()})
@@ -278,6 +320,7 @@ class Saver:
         rank = int(request["rank"])
         with self.pending_lock:
             self.pending += 1
+            self.persisting += 1
         self._executor(rank).submit(self._persist_and_reply, conn, request)
 
     def _executor(self, rank: int) -> ThreadPoolExecutor:
@@ -289,7 +332,7 @@ class Saver:
 
     def _attach_quietly(self, path: str) -> None:
         try:
-            self._slot(path)
+            self.persister.slot(path)
         except Exception as exc:  # the persist that needs it reports any real problem
             logger.debug("could not map slot %s ahead of time: %s", path, exc)
 
@@ -297,8 +340,9 @@ class Saver:
         """Persist for a connected rank (``conn``) or a recovered request (None: nobody to answer)."""
         try:
             reply = {"id": request.get("id"), "ok": True, "error": None}
+            started = time.monotonic()
             try:
-                self.persist(request, lambda: conn is None or not conn.closed)
+                self.persister.persist(request, lambda: conn is None or not conn.closed)
             except Exception as exc:  # reported to the rank and logged; the saver carries on
                 logger.error("persist of step %s rank %s failed: %s\n%s", request.get("step"),
                              request.get("rank"), exc, traceback.format_exc())
@@ -308,14 +352,17 @@ class Saver:
             if int(request["rank"]) == 0:
                 with self.pending_lock:
                     self.pending += 1
-                self.commit_executor.submit(self._commit_and_release, request, reply, conn)
+                self.commit_executor.submit(self._commit_and_release, request, reply, conn,
+                                            time.monotonic() - started)
             elif conn is not None:
                 conn.send(reply)
         finally:
             with self.pending_lock:
                 self.pending -= 1
+                self.persisting -= 1
 
-    def _commit_and_release(self, request: dict[str, Any], reply: dict[str, Any], conn: _Connection | None) -> None:
+    def _commit_and_release(self, request: dict[str, Any], reply: dict[str, Any], conn: _Connection | None,
+                            persisted_s: float) -> None:
         try:
             def answer(error: str | None) -> None:
                 if error is not None and reply["ok"]:
@@ -323,182 +370,34 @@ class Saver:
                 if conn is not None:
                     conn.send(reply)
 
-            self.commit(request, reply["error"], answer=answer)
+            self.persister.commit(request, reply["error"], answer=answer,
+                                  give_way=self._gave_way(request, persisted_s))
         finally:
             with self.pending_lock:
                 self.pending -= 1
 
-    def _storage(self, request: dict[str, Any]) -> Storage:
-        spec = [request["root"], request.get("storage_options"), request.get("storage_factory")]
-        key = json.dumps(spec, sort_keys=True)
-        with self.storage_lock:
-            if key not in self.storages:
-                try:
-                    self.storages[key] = storage_from_url(
-                        request["root"], request.get("storage_options"), request.get("storage_factory")
-                    )
-                except Exception as exc:
-                    raise StorageError(_cannot_open(request, exc)) from exc
-            return self.storages[key]
+    def _gave_way(self, request: dict[str, Any], persisted_s: float) -> Callable[[], str | None]:
+        """When a commit stops waiting for the markers of ranks that cannot come: once the process
+        that asked for it has been replaced (a new process of its rank said hello: the job was
+        relaunched, so the attempt that saved the step is over on this node), after a grace for
+        the ranks whose savers are still writing (twice this saver's own persist of the step, at
+        least ``SUPERSEDED_GRACE_S``). A rank on a lost node never writes its marker; without this
+        the commit would hold its slot's answer until ``commit_timeout_s``."""
+        rank, token = int(request["rank"]), (request.get("writer") or {}).get("token")
+        grace, since = max(SUPERSEDED_GRACE_S, 2 * persisted_s), [0.0]
 
-    def _slot(self, path: str) -> Slot:
-        """The saver's mapping of a slot, kept (pre-faulted) between persists of the same rank.
+        def check() -> str | None:
+            newest = (self.writers.get(rank) or {}).get("token")
+            if token is None or newest is None or newest == token:
+                return None
+            since[0] = since[0] or time.monotonic()
+            if time.monotonic() - since[0] < grace:
+                return None
+            return (f"the job was relaunched (a new process of rank {rank} started) and they did not persist it "
+                    f"within {grace:.0f}s after that: the attempt that saved it is over")
 
-        Only the rank's own persist thread uses it; it is remapped when the trainer grew or
-        recreated the slot.
-        """
-        slot = self.slots.get(path)
-        if slot is not None and (slot.replaced() or slot.file_size() != slot.size):
-            slot.close()
-            slot = None
-        if slot is None:
-            slot = Slot.attach(path, populate=True)
-            if slot is None:
-                raise FileNotFoundError(f"slot {path} does not exist")
-            self.slots[path] = slot
-        return slot
+        return check
 
-    def persist(self, request: dict[str, Any], alive: Callable[[], bool] = lambda: True) -> None:
-        """Write one rank's files for one step, then its done marker (or failed marker).
-
-        The slot may still be filling (a streaming persist): each region is written once the
-        trainer says it is in place, and the rank's files count only once the slot is sealed.
-        ``alive()`` says whether the rank is still connected.
-        """
-        rank, step, seq = int(request["rank"]), int(request["step"]), int(request["seq"])
-        layout = Layout(**request["layout"])
-        started = time.monotonic()
-        slot = self._slot(request["slot"])
-        slot.lock()
-        try:
-            try:
-                storage = self._storage(request)
-            except Exception:
-                slot.mark_persist_done(seq)  # reported to the rank; no later saver retries it
-                raise
-            try:
-                if commit_protocol.already_persisted(storage, layout, request,
-                                                     recovered=bool(request.get("recovered"))):
-                    return
-                _check_directory(storage, request)
-                base = commit_protocol.claim(storage, layout, request)
-                metadata = _checked_metadata(slot, step, seq, filling=True)
-                entries = []
-
-                def ready(index: int) -> None:
-                    _wait_until_copied(slot, step, seq, index + 1, alive)
-                    fault_point("saver.write")  # part of the file is written
-
-                for fmeta in metadata["files"]:
-                    entry = write_file(storage, f"{base}/{fmeta['path']}", fmeta, metadata["regions"], slot, ready)
-                    entry["path"] = fmeta["path"]
-                    entry["codec"] = fmeta["codec"]
-                    entries.append(entry)
-                _wait_until_copied(slot, step, seq, None, alive)  # sealed: every byte was in place
-                _checked_metadata(slot, step, seq)
-                # a saver killed while writing these files left temporaries that would be committed with them
-                remove_stale_temporaries(storage, [f"{base}/{e['path']}" for e in entries])
-                write_rank_done(storage, layout, request, entries, base)
-            except Exception as exc:
-                write_rank_failed(storage, layout, request, exc)
-                raise
-            finally:
-                slot.mark_persist_done(seq)
-        finally:
-            slot.unlock()
-            if request.get("held"):  # the trainer's extra slot from before the saver was up: it goes soon
-                self.slots.pop(request["slot"], None)
-                slot.close()
-        total = sum(e["size"] for e in entries)
-        elapsed = time.monotonic() - started
-        logger.info("rank %d step %d persisted: %d files, %.1f MiB in %.2fs", rank, step, len(entries),
-                    total / 2**20, elapsed)
-
-    def commit(self, request: dict[str, Any], local_error: str | None = None,
-               answer: Callable[[str | None], Any] = lambda error: None) -> None:
-        """Committer (the saver of global rank 0): commit once every rank's marker exists
-        (:func:`.commit.commit`), answer, then apply retention.
-
-        ``answer(error)`` is called once the step is committed (``None``) or failed (the reason),
-        before retention; it is called whatever goes wrong, storage that cannot be opened included.
-        """
-        try:
-            storage = self._storage(request)
-            committed = commit_protocol.commit(storage, request, local_error)
-        except Exception as exc:
-            error = f"step {request.get('step')} was not committed: {type(exc).__name__}: {exc}"
-            logger.error("%s", error)
-            answer(error)
-            return
-        answer(None)  # committed, or failed with its FAILED record on storage
-        if committed:
-            self.purge(storage, Layout(**request["layout"]), RetentionPolicy(**(request.get("retention") or {})))
-
-    def purge(self, storage: Storage, layout: Layout, policy: RetentionPolicy) -> None:
-        """Delete what the retention policy lets go; a failure is logged and retention goes on."""
-        if not policy.enabled:
-            return
-        records = commit_records(storage)
-        self._finish_deletions(storage, records)
-        for step in policy.select_deletions(list(records), key=lambda s: lineage.order_key(records[s], s)):
-            started = time.monotonic()
-            try:
-                # The tombstone first: a pass cut short below leaves a step that says it is being deleted.
-                write_json(storage, f"{layout.marker_dir(step)}/{DELETING}",
-                           {"step": step, "files": layout.step_path(step), "record": records[step], "time": now()})
-                storage.remove(f"{layout.marker_dir(step)}/{COMMITTED}")
-                fault_point("retention.delete")  # uncommitted, its files not yet deleted
-                storage.remove(layout.step_path(step))
-                storage.remove(layout.marker_dir(step))
-            except Exception as exc:
-                logger.error("retention could not delete step %d: %s", step, exc)
-                continue
-            logger.info("retention deleted step %d in %.2fs", step, time.monotonic() - started)
-
-    def _finish_deletions(self, storage: Storage, records: dict[int, dict[str, Any]]) -> None:
-        """Finish deleting the steps that a retention pass marked DELETING and did not see through
-        (its process was killed): their files and markers would otherwise stay on storage forever.
-
-        A step with a tombstone and no commit record is such a leftover, unlike a save in flight,
-        whose done markers look the same. Only steps older than the newest commit (the one this
-        pass follows) are touched: every save still in flight is newer than that one, so none of
-        them is writing into the directory of the step being finished. A tombstone next to a
-        commit record (a kill before that record went, or the step saved and committed again) is
-        left alone: the policy decides about a committed step afresh.
-        """
-        if not records:
-            return
-        newest = max(records, key=lambda s: lineage.order_key(records[s], s))
-        for step in marked_steps(storage):
-            if step >= newest or step in records:
-                continue
-            marker_dir = Layout.marker_dir(step)
-            try:
-                if DELETING not in storage.list(marker_dir):
-                    continue
-                tombstone = read_json(storage, f"{marker_dir}/{DELETING}")
-                storage.remove(tombstone["files"])
-                storage.remove(marker_dir)
-            except Exception as exc:
-                logger.error("retention could not finish deleting step %d: %s", step, exc)
-                continue
-            logger.warning("retention finished deleting step %d, which an interrupted pass had left on storage", step)
-
-
-def _cannot_open(request: dict[str, Any], exc: BaseException) -> str:
-    """Why the saver could not open a request's storage, and what to do about it."""
-    factory, root = request.get("storage_factory"), request["root"]
-    scheme = root.split("://", 1)[0] if "://" in root else ""
-    said = f"the saver could not open the storage {root!r}: {type(exc).__name__}: {exc}"
-    if factory:
-        return (f"{said}. The saver is a separate process: storage_factory {factory!r} must be importable in "
-                "the saver, which runs with cwd=/, the trainer's environment and the training script's folder "
-                "on its PYTHONPATH: put the factory in an installed package, beside the script, or on PYTHONPATH")
-    if scheme not in ("", "file"):
-        return (f"{said}. The saver is a separate process: a scheme registered with register_storage() exists "
-                f"only in the process that registered it; declare it through the {ENTRY_POINT_GROUP!r} entry "
-                "point group, or pass storage_factory='package.module:factory'")
-    return said
 
 
 def _slot_request(path: str) -> tuple[dict[str, Any] | None, bool]:
@@ -519,57 +418,6 @@ def _slot_request(path: str) -> tuple[dict[str, Any] | None, bool]:
         return None, False
     finally:
         slot.close()
-
-
-def _check_directory(storage: Storage, request: dict[str, Any]) -> None:
-    """Refuse to persist a snapshot into a directory that was deleted or replaced since it was taken."""
-    expected = (request.get("tag") or {}).get("dir")
-    if expected is None:
-        return
-    found = lineage.read_identity(storage)
-    if found != expected:
-        raise RuntimeError(
-            f"the checkpoint directory {request['root']} was deleted or replaced after step {request['step']} "
-            f"was snapshotted (identity {expected}, now {found}); this snapshot belongs to the old directory "
-            "and is not written into the new one"
-        )
-
-
-def _checked_metadata(slot: Slot, step: int, seq: int, *, filling: bool = False) -> dict[str, Any]:
-    """The slot's metadata, checked to be this step's; ``filling`` also accepts a slot being written."""
-    header = slot.read_header()
-    states = (SlotState.COMPLETE, SlotState.WRITING) if filling else (SlotState.COMPLETE,)
-    if header is None or header.state not in states or header.seq != seq or header.step != step:
-        raise RuntimeError(
-            f"slot {slot.path} no longer holds step {step} (seq {seq}): found "
-            f"{header and (header.state.name, header.step, header.seq)}"
-        )
-    return slot.read_metadata(header)
-
-
-def _wait_until_copied(slot: Slot, step: int, seq: int, regions: int | None, alive: Callable[[], bool]) -> None:
-    """Wait until the first ``regions`` regions are in place (``None``: until the slot is sealed)."""
-    delay = 0.0002
-    while True:
-        header = slot.read_header()
-        if header is None or header.seq != seq or header.step != step or header.state is SlotState.EMPTY:
-            raise RuntimeError(f"the snapshot of step {step} was abandoned while it was being written")
-        if header.state is SlotState.COMPLETE or (regions is not None and slot.copied() >= regions):
-            return
-        if not alive():
-            raise RuntimeError(f"the rank disconnected while its snapshot of step {step} was being written")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.005)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _lower_session(nice: int) -> None:
@@ -628,12 +476,16 @@ def main(argv: list[str] | None = None) -> int:
         os.umask(old_umask)
     listener.listen(256)
     saver = Saver(args.run_dir, args.watch_pid, args.idle_exit)
+    preemption.install(saver)
     try:
         saver.serve(listener)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         listener.close()
+    if saver.stop_deadline is not None:  # never wait for a commit thread past the grace period
+        logging.shutdown()
+        os._exit(0)
     if knobs.get(knobs.SAVER_KEEP_RUN_DIR):
         return 0
     # The directory (and the log) go only after an uneventful job: every rank closed cleanly, none

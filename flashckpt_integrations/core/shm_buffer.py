@@ -238,7 +238,8 @@ class Slot:
         return True
 
     def unlock(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if self._fd >= 0:  # closing the file released the lock already
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -376,6 +377,10 @@ class Slot:
         _U64.pack_into(self._mm, _OFF_PERSIST_DONE, seq)
 
     def invalidate(self) -> None:
+        """Mark the slot empty (never loaded). A slot already closed (a job's end unmapped it under
+        a copy still running) is left as it is: its file says writing, or it is gone."""
+        if self._mm is None:
+            return
         _U32.pack_into(self._mm, _OFF_STATE, SlotState.EMPTY)
 
     def read_metadata(self, header: SlotHeader) -> dict[str, Any]:
@@ -421,6 +426,23 @@ class Slot:
         """An untyped storage that starts at ``offset`` (no copy)."""
         self._check_range(offset, nbytes)
         return _torch().frombuffer(self._mm, dtype=_torch().uint8, count=nbytes, offset=offset).untyped_storage()
+
+
+def attach_complete(path: str) -> tuple[Slot, SlotHeader] | None:
+    """Map the slot at ``path`` when it holds a complete snapshot: the slot (the caller closes it)
+    and its header; ``None`` (nothing left mapped) when there is no slot or no complete snapshot."""
+    slot = Slot.attach(path)
+    if slot is None:
+        return None
+    try:
+        header = slot.read_header()
+    except BaseException:
+        slot.close()
+        raise
+    if header is None or header.state is not SlotState.COMPLETE:
+        slot.close()
+        return None
+    return slot, header
 
 
 _MADV_POPULATE_WRITE = 23

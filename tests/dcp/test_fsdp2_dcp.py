@@ -5,8 +5,10 @@ import os
 import pytest
 import torch
 
+from flashckpt_integrations.core.client import job_key
 from tests.dcp.launch import python, torchrun
 from tests.distributed.launch import records
+from tests.helpers import complete_slots, flip_slot_byte
 
 pytestmark = pytest.mark.distributed
 
@@ -80,6 +82,23 @@ def test_fsdp2_memory_resume_storage_resume_and_stock_load(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert [rec["events"][0] for rec in records(again)] == [{"load": 6, "source": "storage"}] * 2
     _assert_equal(_full(again / "full-6.pt"), _full(ref / "full-6.pt"))
+
+    # a stray write in rank 1's snapshot of step 4: both ranks resume from the verified snapshot of step 2
+    # (as new as the newest commit), never from the bad bytes, and train on to the same state
+    flipped, crash2, resume2 = tmp_path / "ckpt2", tmp_path / "crash2", tmp_path / "resume2"
+    for d in (crash2, resume2):
+        d.mkdir()
+    run = torchrun("fsdp_train.py", "--ckpt", flipped, "--out", crash2, "--steps", 6, "--persist-at", 2,
+                   "--memory-at", 4, "--kill-at", 4)
+    assert run.returncode != 0
+    slots = {(rank, step): path for rank, step, path in complete_slots(os.environ["FLASHCKPT_SHM_DIR"])
+             if path.endswith(("-0", "-1")) and job_key(str(flipped)) in path}
+    flip_slot_byte(slots[1, 4])
+    run = torchrun("fsdp_train.py", "--ckpt", flipped, "--out", resume2, "--steps", 6, "--resume", "--dump-at", 6)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [rec["events"][0] for rec in records(resume2)] == [{"load": 2, "source": "memory"}] * 2
+    assert "the snapshot of step 4 in memory failed verification" in run.stderr
+    _assert_equal(_full(resume2 / "full-6.pt"), _full(ref / "full-6.pt"))
 
     # stock torch.distributed.checkpoint.load, in a process that never imports this package
     for step in (2, 6):

@@ -69,13 +69,15 @@ def main() -> None:
     parser.add_argument("--api", choices=("core", "dcp"), default="core")
     parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes beyond its compute")
+    parser.add_argument("--storage-factory", default=None, help="e.g. tests.helpers:SlowStorage")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = make_model(args.width)
     dcp = args.api == "dcp"
-    ck = Checkpointer(args.ckpt, flash_dcp.checkpointer_config() if dcp else None, replicas=args.replicas)
+    ck = Checkpointer(args.ckpt, flash_dcp.checkpointer_config() if dcp else None, replicas=args.replicas,
+                      storage_factory=args.storage_factory)
     progress = {"step": torch.zeros((), dtype=torch.int64)}
     record = {"rank": rank, "pid": os.getpid(), "run_dir": ck.run_dir, "saves": []}
     path = os.path.join(args.out, f"rank-{rank}.json")
@@ -95,7 +97,8 @@ def main() -> None:
         opt.load_state_dict(loaded.state["optim"])
         start = loaded.state["step"]
     record["load"] = {"step": loaded and loaded.step, "source": loaded and loaded.source,
-                      "fetched": ck._replicas.fetched, "seconds": time.perf_counter() - started}
+                      "fetched": ck._replicas.fetched, "seconds": time.perf_counter() - started,
+                      "tiers": None if dcp or loaded is None else {str(r): t for r, t in loaded.tiers.items()}}
     flush()
     for step in range(start + 1, args.steps + 1):
         grads = rank_gradients(model, step, rank)

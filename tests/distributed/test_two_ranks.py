@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 def test_save_commit_crash_restore_from_memory_then_storage(tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = run(ckpt, tmp_path / "run1", "save:1:persist,wait,save:2:memory,kill:0,await:never")
+    first = run(ckpt, tmp_path / "run1", "save:1:persist,wait,save:2:memory,barrier,kill:0,await:never")
     assert first.returncode != 0  # rank 0 was killed
     assert sorted(os.listdir(ckpt / "step-1")) == ["rank-0.pt", "rank-1.pt"]
     assert (ckpt / "latest").read_text().strip() == "1"
@@ -36,7 +36,7 @@ def test_save_commit_crash_restore_from_memory_then_storage(tmp_path):
 
 def test_memory_is_used_only_when_every_rank_holds_the_step(tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = run(ckpt, tmp_path / "run1", "save:1:persist,wait,save:2:memory,kill:0,await:never")
+    first = run(ckpt, tmp_path / "run1", "save:1:persist,wait,save:2:memory,barrier,kill:0,await:never")
     assert first.returncode != 0
     # rank 1 loses its memory (say its node was replaced): nobody may load step 2
     prefix = f"flashckpt-{os.getuid()}-{job_key(str(ckpt))}-r1-"

@@ -1,8 +1,9 @@
 """A scripted rank for the multi-process tests: runs a list of actions, records what it saw.
 
 Run under torchrun. ``--actions`` is a comma-separated list of:
-``save:<step>:persist|memory``, ``wait``, ``load``, ``mark:<name>`` (touch ``<out>/<name>-<rank>``),
-``await:<name>`` (wait for ``<out>/<name>``), ``kill:<rank>`` (that rank SIGKILLs itself), ``close``.
+``save:<step>:persist|memory``, ``wait``, ``load``, ``vload`` (load into live tensors),
+``mark:<name>`` (touch ``<out>/<name>-<rank>``), ``await:<name>`` (wait for ``<out>/<name>``),
+``barrier`` (every rank has got this far), ``kill:<rank>`` (that rank SIGKILLs itself), ``close``.
 Each rank writes ``<out>/rank-<rank>.json``.
 """
 
@@ -62,11 +63,22 @@ def main() -> None:
                 for k, v in state(loaded.step, rank).items()
             )
             record["events"].append({"load": loaded and loaded.step, "source": loaded and loaded.source, "equal": ok})
+        elif kind == "vload":  # into live tensors, as training resumes; verified on the way
+            live = {"w": torch.zeros(64, 1024), "rank": -1, "step": -1}
+            loaded = ck.load(target=live)
+            step = loaded and loaded.step
+            ok = loaded is not None and torch.equal(live["w"], state(step, rank)["w"]) and \
+                loaded.state["step"] == step
+            record["events"].append({"vload": step, "source": loaded and loaded.source, "equal": ok,
+                                     "tiers": loaded and {str(k): v for k, v in loaded.tiers.items()},
+                                     "fallbacks": loaded and len(loaded.fallbacks)})
         elif kind == "mark":
             open(os.path.join(args.out, f"{rest[0]}-{rank}"), "w").close()
         elif kind == "await":
             while not os.path.exists(os.path.join(args.out, rest[0])):
                 time.sleep(0.05)
+        elif kind == "barrier":
+            dist.barrier()
         elif kind == "kill" and int(rest[0]) == rank:
             flush()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -23,7 +23,7 @@ from flashckpt_integrations import CheckpointerConfig, Layout  # noqa: E402
 from flashckpt_integrations.adapters import hf_trainer  # noqa: E402
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
-from tests.helpers import marker_names, run_python  # noqa: E402
+from tests.helpers import complete_slots, flip_slot_byte, marker_names, run_python  # noqa: E402
 from tests.hf.common import FailAt, assert_bitwise_equal, make_trainer, parameters  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -96,8 +96,11 @@ def _summary(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
 
 
-def test_kill_after_memory_snapshot_resumes_from_memory_bit_exact(tmp_path, private_shm_dir):
+@pytest.mark.parametrize("flip", [False, True], ids=["intact", "flipped-byte"])
+def test_kill_after_memory_snapshot_resumes_from_memory_bit_exact(tmp_path, private_shm_dir, flip):
     # 20 steps (16 per epoch): checkpoints every 5 steps, memory snapshots every 3; killed after step 18.
+    # flipped-byte: a stray write hits the snapshot of step 18; the resume takes the other verified
+    # snapshot (step 15, as new as the newest commit) and still ends bit-exact.
     reference = subprocess.Popen(_script(tmp_path / "ref", tmp_path / "ref.pt", "--plain"), env=_env(),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     crashed = subprocess.run(_script(tmp_path / "run", tmp_path / "run.pt", "--kill-at", "18"), env=_env(),
@@ -109,13 +112,19 @@ def test_kill_after_memory_snapshot_resumes_from_memory_bit_exact(tmp_path, priv
     while checkpoints(tmp_path / "run") != [5, 10, 15] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert checkpoints(tmp_path / "run") == [5, 10, 15], crashed.stdout + crashed.stderr
+    if flip:
+        slots = {step: path for _, step, path in complete_slots(private_shm_dir)}
+        assert sorted(slots) == [15, 18], slots
+        flip_slot_byte(slots[18])
 
     resumed = subprocess.run(_script(tmp_path / "run", tmp_path / "run.pt", "--resume"), env=_env(),
                              capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     logs = resumed.stdout + resumed.stderr
-    assert _summary(resumed.stdout) == {"final_step": 20, "resumed_from": [18, "memory"]}, logs
-    assert "resuming from the shared-memory snapshot of step 18" in resumed.stderr, logs
+    step = 15 if flip else 18
+    assert _summary(resumed.stdout) == {"final_step": 20, "resumed_from": [step, "memory"]}, logs
+    assert f"resuming from the shared-memory snapshot of step {step}" in resumed.stderr, logs
+    assert ("the snapshot of step 18 in memory failed verification" in resumed.stderr) == flip, logs
     assert checkpoints(tmp_path / "run") == [5, 10, 15, 20], logs  # no checkpoint-18 was ever written
 
     out, _ = reference.communicate(timeout=120)

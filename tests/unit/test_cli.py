@@ -47,6 +47,26 @@ def test_ls_inspect_clean(make_checkpointer, tmp_path):
     assert not any(os.path.exists(p) for p in ck.slot_paths)
 
 
+def test_verify_names_a_flipped_snapshot_and_a_flipped_committed_file(make_checkpointer, tmp_path):
+    from tests.helpers import flip_file_byte, flip_slot_byte, rank_slots
+
+    ckpt = tmp_path / "ckpt"
+    ck = make_checkpointer(ckpt)
+    assert ck.save(1, {"w": torch.ones(1000)}).wait(60).committed
+    ck.save(2, {"w": torch.ones(1000)}, persist=False)
+    assert ck.check_memory(2)  # (its checksums are written)
+    good = flashckpt("verify", str(ckpt))
+    assert good.returncode == 0 and "3 good, 0 not: every copy verifies" in good.stdout, good
+
+    flip_slot_byte(rank_slots(ckpt, 0)[2])
+    flip_file_byte(ckpt / "step-1" / "rank-0.pt")
+    bad = flashckpt("verify", str(ckpt), "--json")
+    assert bad.returncode == 1
+    status = {(r["what"], r["step"]): r["status"] for r in json.loads(bad.stdout)["checked"]}
+    assert status == {("memory", 1): "ok", ("memory", 2): "bad", ("storage", 1): "bad"}, status
+    (ckpt / "step-1" / "rank-0.pt").unlink()  # (the suite checks every torch file a test leaves)
+
+
 def test_clean_and_ls_find_the_memory_of_a_job_named_by_the_environment(tmp_path):
     """A job named by ``$FLASHCKPT_JOB_ID`` (not by its directory), which exited without close:
     ``flashckpt`` run with the same environment (the job id and the shm-dir knob, no flags)

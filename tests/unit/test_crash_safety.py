@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashckpt_integrations import Checkpointer, SaveStatus
+from flashckpt_integrations.core.layout import read_json
 from flashckpt_integrations.core.shm_buffer import Slot, SlotState
 from tests.helpers import run_python
 
@@ -379,6 +380,31 @@ def test_a_rank_killed_before_its_hello_reached_a_running_saver_has_its_persist_
     assert loaded.step == 1 and torch.equal(loaded.state["w"], expected(1)["w"])
 
 
+def test_a_rank_killed_before_it_said_hello_or_summed_its_snapshot_still_restores_it_verified(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    # The process never reaches a saver and its checksum helper never runs: step 1 is sealed in
+    # memory without its checksum table, and no saver saw the rank drop.
+    child = CHILD_PRELUDE + textwrap.dedent(
+        """
+        from flashckpt_integrations.core import verify
+        Checkpointer._connect_quietly = lambda self: None
+        verify.Checksummer.schedule = lambda self, *args, **kwargs: None
+        ck = Checkpointer(ckpt_dir)
+        assert ck.save(1, state(1), persist=False).ok
+        assert ck.wait_for_snapshot() is None
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = run_python(child, ckpt)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not os.path.exists(os.path.join(ckpt, "step-1"))
+    # The relaunched rank's saver sums what the dead process left before it answers the hello.
+    with Checkpointer(ckpt) as ck:
+        loaded = ck.load()
+        assert (loaded.step, loaded.source, loaded.fallbacks) == (1, "memory", [])
+    assert torch.equal(loaded.state["w"], expected(1)["w"])
+
+
 @pytest.mark.parametrize("window", ["write", "commit"])
 def test_saver_and_trainer_killed_mid_persist_the_next_saver_finishes_it(tmp_path, window):
     # Every data file (and the tracker) waits 1 s before it is written: the kill lands mid-write,
@@ -415,3 +441,38 @@ def test_saver_and_trainer_killed_mid_persist_the_next_saver_finishes_it(tmp_pat
         assert torch.equal(torch.as_tensor(loaded.state[key]), torch.as_tensor(value))
     if window == "commit":
         assert "the commit of step 1 was interrupted; committing it now" in log
+
+
+def test_a_commit_waiting_for_a_lost_rank_gives_way_once_the_job_is_relaunched(tmp_path):
+    from flashckpt_integrations.core import saver
+
+    ckpt = str(tmp_path / "ckpt")
+    # Rank 0 of a 2-rank job persists step 1; rank 1 (on a node that is lost) never will.
+    ck = Checkpointer(ckpt, rank=0, world_size=2)
+    try:
+        result = ck.save(1, expected(1))
+        assert result.status is SaveStatus.PERSISTING
+        markers = os.path.join(ckpt, ".flashckpt", "steps", "1")
+        deadline = time.monotonic() + 30
+        while not (os.path.isdir(markers) and any(n.endswith(".done") for n in os.listdir(markers))):
+            assert time.monotonic() < deadline, "rank 0's files of step 1 were not written"
+            time.sleep(0.05)
+        # Its own files are durable: its slot takes the next saves while the commit waits.
+        for step in (2, 3):
+            assert ck.save(step, expected(step), persist=False).ok
+        # The job is relaunched: a new process of rank 0 says hello to the same saver.
+        child = CHILD_PRELUDE + textwrap.dedent(
+            """
+            ck = Checkpointer(ckpt_dir, rank=0, world_size=2)
+            ck._client.connect()
+            os._exit(0)
+            """
+        )
+        proc = run_python(child, ckpt)
+        assert proc.returncode == 0, proc.stderr
+        outcome = result.wait(saver.SUPERSEDED_GRACE_S + 30)  # not commit_timeout_s (600 s)
+        assert not outcome.committed and "relaunched" in (outcome.error or ""), outcome
+        assert ck.committed_steps() == []  # its record says why: a loader never takes step-1/
+        assert "relaunched" in read_json(ck.storage, ".flashckpt/steps/1/FAILED")["reason"]
+    finally:
+        ck.close(wait=False)

@@ -69,3 +69,16 @@ def test_a_refused_size_or_mapping_leaves_no_file(private_shm_dir):
     assert "ran out while growing" in out["fsize"] and "File too large" in out["fsize"], out
     assert "cannot map" in out["as"], out
     assert out["left"] == [], "no empty or partial slot file stays behind"
+
+
+@pytest.mark.parametrize("end", ["close", "remove_all"])
+def test_a_receive_abandoned_after_the_job_ended_leaves_nothing_to_load(private_shm_dir, end):
+    """A peer's copy still being received when the job ends cleanly: the store unmaps its slots
+    under the receive, which then gives up on a slot that is closed (it used to fail there)."""
+    from flashckpt_integrations.core.replica_slots import ReplicaStore, list_replicas
+
+    store = ReplicaStore(private_shm_dir, "job")
+    slot = store.begin(1, 5, 5, 0, 1 << 16)
+    getattr(store, end)()
+    store.abandon(slot, 1)
+    assert list_replicas(private_shm_dir, "job") == []

@@ -222,3 +222,42 @@ def test_zip64_records_equal_torch_writer(sizes):
     writer.finish()
     assert ours.stream == theirs.stream
     assert ours.size == writer.size == archive_size([(n, d if isinstance(d, int) else len(d)) for n, d in records])
+
+
+def test_zip64_record_of_4_gib_loads_with_torch(tmp_path):
+    """A record past 4 GiB (zip64 sizes and offsets) that torch.load reads back, cheaply: the record
+    is zeros written as a hole in a sparse file, its CRC-32 combined from a 1 MiB one, never summed."""
+    import mmap
+
+    from flashckpt_integrations.core.state import tensor_part_pickle
+
+    nbytes = (4 << 30) + 24
+    crc, span = zlib.crc32(bytes(1 << 20)), 1 << 20
+    while span < 4 << 30:  # CRC-32 of 2**k MiB of zeros by doubling
+        crc, span = crc32_combine(crc, crc, span), span * 2
+    crc = crc32_combine(crc, zlib.crc32(bytes(24)), 24)
+    zeros = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # never touched: no memory
+    path = tmp_path / "big.pt"
+    try:
+        with open(path, "wb") as f:
+            def hole(view):
+                f.seek(view.nbytes, os.SEEK_CUR)
+                return crc
+
+            writer = TorchZipWriter(f, "big", write_crc32=hole)
+            writer.write_record("data.pkl", tensor_part_pickle(torch.empty((nbytes,), dtype=torch.uint8,
+                                                                           device="meta")))
+            writer.write_record("byteorder", sys.byteorder)
+            writer.write_record("data/0", memoryview(zeros))
+            writer.finish()
+        assert os.path.getsize(path) == writer.size > nbytes
+        with zipfile.ZipFile(path) as archive:  # Python's reader: zip64 sizes, offsets and the CRC-32
+            info = archive.getinfo("big/data/0")
+            assert (info.file_size, info.CRC) == (nbytes, crc)
+            assert archive.getinfo("big/.data/serialization_id").header_offset > 4 << 30
+        loaded = torch.load(path, mmap=True, weights_only=True)  # torch's reader, without reading the data
+        assert loaded.shape == (nbytes,) and loaded.dtype == torch.uint8
+        assert int(loaded[0]) == 0 and int(loaded[-1]) == 0
+        del loaded
+    finally:
+        path.unlink(missing_ok=True)  # (the suite's archive check would read all 4 GiB)

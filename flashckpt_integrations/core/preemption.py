@@ -1,0 +1,100 @@
+"""What a node's saver does when the job is being stopped: persist what only memory holds before
+the grace period ends, under any launcher.
+
+A preempted job gets SIGTERM (Kubernetes pod deletion, Slurm ``--signal``, a spot reclaim,
+``kill`` on every process of the job), then SIGKILL once the grace period is over. Its ranks
+die at once, but every snapshot they took is still in shared memory: the saver turns the
+newest one into a commit while the grace lasts.
+
+Call order, in the saver process:
+
+1. :func:`install` (at start, main thread): SIGTERM and SIGINT set the saver's stop deadline
+   (now + ``FLASHCKPT_GRACE_S``, default 30 s, the Kubernetes default grace) instead of killing it.
+2. The serve loop sees the deadline, goes on serving while ranks are still connected (for at most
+   ``SETTLE_S``: ranks killed by the same signal drop, and the saver sums and takes up what each
+   left behind), then calls :func:`drain`: let the persists in flight finish, then persist the
+   newest step every local rank holds in memory that is newer than the newest commit
+   (:func:`.rescue.persist_newest`; the saver of global rank 0 commits it, waiting for the other
+   nodes' savers, which do the same, until the deadline). What could not be finished is logged,
+   never half-committed: a commit is one record written last.
+3. The saver exits (its threads are not joined: a commit that waits for a lost node's ranks must
+   not outlive the grace).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any, Protocol
+
+from .. import knobs
+from . import rescue
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 30.0
+SETTLE_S = 2.0
+"""How long a stopped saver still serves connected ranks (they are being killed too)."""
+MARGIN_S = 1.0
+"""Left of the grace at the end: the saver is done (logged, exited) before SIGKILL."""
+
+
+class Drainable(Protocol):
+    run_dir: str
+    stop_deadline: float | None
+
+    def persists_in_flight(self) -> int: ...
+
+
+def grace_s() -> float:
+    """The grace period a stopped job has before SIGKILL (``FLASHCKPT_GRACE_S``)."""
+    raw = knobs.get(knobs.GRACE_S)
+    try:
+        value = float(raw) if raw is not None else DEFAULT_GRACE_S
+    except ValueError:
+        logger.warning("%s=%r is not a number of seconds; using %.0fs", knobs.GRACE_S, raw, DEFAULT_GRACE_S)
+        return DEFAULT_GRACE_S
+    return value if value > 0 else DEFAULT_GRACE_S
+
+
+def install(saver: Drainable) -> None:
+    """Make SIGTERM and SIGINT start the saver's drain instead of ending it."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        if saver.stop_deadline is None:
+            saver.stop_deadline = time.monotonic() + grace_s()
+            logger.warning("%s: the job is being stopped; persisting what only memory holds within %.0fs",
+                           signal.Signals(signum).name, grace_s())
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
+def drain(saver: Drainable) -> rescue.RescueResult | None:
+    """Finish the persists in flight, then persist (and commit, on rank 0's node) the newest
+    step in memory newer than the newest commit, all before ``saver.stop_deadline``."""
+    deadline = saver.stop_deadline if saver.stop_deadline is not None else time.monotonic() + grace_s()
+    while saver.persists_in_flight() and time.monotonic() < deadline - MARGIN_S:
+        time.sleep(0.02)
+    if saver.persists_in_flight():
+        logger.error("the grace period ended with %d persist(s) unfinished; their steps are not committed",
+                     saver.persists_in_flight())
+        return None
+    slots = rescue.run_dir_slots(saver.run_dir)
+    if not slots:
+        return None
+    left = deadline - MARGIN_S - time.monotonic()
+    if left <= 0:
+        logger.error("no time left of the grace period to persist the newest snapshot")
+        return None
+    started = time.monotonic()
+    try:
+        result = rescue.persist_newest(slots, commit_timeout=left)
+    except Exception as exc:  # logged; the saver still exits before SIGKILL
+        logger.error("could not persist the newest snapshot before the grace period ended: %s", exc)
+        return None
+    log = logger.error if result.status is rescue.RescueStatus.FAILED else logger.warning
+    log("stopping: %s (%.1fs, %.1f MiB written)", result.reason, time.monotonic() - started,
+        result.bytes_written / 2**20)
+    return result
