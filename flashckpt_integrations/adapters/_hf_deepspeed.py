@@ -30,8 +30,8 @@ def state_files(trainer: FlashCkptTrainer, persist: bool) -> dict[str, FileSpec]
     files: dict[str, FileSpec] = {}
     if persist:  # the weights file of a stock checkpoint (a resume reads the engine's files instead)
         files.update(_weights(trainer))
-    if trainer.args.should_save and persist:  # config, generation config, tokenizer, training args
-        files.update(trainer._flash_small_files(trainer._save_quietly))
+    if trainer.args.should_save:  # config, generation config, tokenizer, training args
+        files.update(trainer._flash_config_files(refresh=persist))
     return files
 
 

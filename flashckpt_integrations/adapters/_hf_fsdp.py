@@ -143,7 +143,7 @@ def _full_files(trainer: FlashCkptTrainer, persist: bool) -> dict[str, FileSpec]
     files: dict[str, FileSpec] = {}
     if persist:  # what save_model writes; memory-only snapshots skip this second copy of the weights
         files.update(trainer._flash_model_files(model_sd))
-        files.update(trainer._flash_small_files(trainer._save_quietly))
+    files.update(trainer._flash_config_files(refresh=persist))
     if optim_sd is not None:
         files[FULL_MODEL_FILE] = FileSpec(model_sd)
         files[FULL_OPTIMIZER_FILE] = FileSpec(optim_sd)

@@ -61,6 +61,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 import warnings
 import weakref
@@ -97,6 +98,8 @@ try:
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise missing_dependency("transformers", "hf") from exc
+
+from . import _hf_jit  # noqa: E402  (it needs transformers)
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +187,7 @@ class FlashCkptTrainer(Trainer):
         flash_config: CheckpointerConfig | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        sigterm = signal.getsignal(signal.SIGTERM)  # before the stock JIT callback (if any) replaces it
         super().__init__(*args, **kwargs)
         self._flash_config = self._flash_check_options(flash_config, flash_memory_interval)
         self._flash_checkpointer: Checkpointer | None = None
@@ -193,10 +197,13 @@ class FlashCkptTrainer(Trainer):
         self._flash_resume: _MemoryResume | None = None
         self._flash_warned: set[str] = set()
         self._flash_attached: Any = None
+        self._flash_config_cache: dict[str, FileSpec] | None = None
         self.flash_resumed_from: tuple[int, str] | None = None
         self.flash_last_save: SaveResult | None = None
         if flash_memory_interval is not None:
             self.add_callback(FlashMemorySnapshotCallback(self, flash_memory_interval))
+        if getattr(self.args, "enable_jit_checkpoint", False) and self._flash_unsupported() is None:
+            _hf_jit.take_over(self, self._flash_last_save, sigterm)
         if self.args.load_best_model_at_end and self._flash_keep_last() is not None:
             logger.warning("flashckpt: retention keeps the newest %d checkpoints and does not protect the best "
                            "one yet; load_best_model_at_end may not find it", self._flash_keep_last())
@@ -367,6 +374,15 @@ class FlashCkptTrainer(Trainer):
         log_save(logger, ck.rank, "Trainer save", result, step_destination(ck, step), time.perf_counter() - started)
         return result
 
+    def _flash_last_save(self) -> None:
+        """The checkpoint ``enable_jit_checkpoint`` takes on SIGTERM: committed before this returns."""
+        if self._flash_saved_step != self.state.global_step:
+            self._flash_snapshot(self.model_wrapped, persist=True)
+        outcome = self.flash_checkpointer.wait()
+        if outcome is not None and not outcome.committed:
+            logger.error("flashckpt: the checkpoint of step %d taken on SIGTERM was not committed: %s",
+                         outcome.step, outcome.error)
+
     def _flash_files(self, step: int, persist: bool) -> dict[str, Any]:
         """The files ``Trainer._save_checkpoint`` writes for ``step`` (only a persisted one updates the live state)."""
         should_save = self.args.should_save
@@ -397,8 +413,6 @@ class FlashCkptTrainer(Trainer):
         if not saves or self.is_fsdp_enabled or self.is_deepspeed_enabled or self._flash_unsupported() is not None:
             return
         files = self._flash_files(self.state.global_step, persist=False)
-        if self.args.should_save:
-            files.update(self._flash_small_files(self._save_quietly))
         self.flash_checkpointer.prepare(files=files, background=True)
 
     def _flash_state_files(self, persist: bool) -> dict[str, FileSpec]:
@@ -410,8 +424,7 @@ class FlashCkptTrainer(Trainer):
         files: dict[str, FileSpec] = {}
         if self.args.should_save:
             files.update(self._flash_model_files())
-            if persist:  # config, generation config, tokenizer, training args: what Trainer._save writes
-                files.update(self._flash_small_files(self._save_quietly))
+            files.update(self._flash_config_files(refresh=persist))
             if not self.args.save_only_model:
                 files[OPTIMIZER_NAME] = FileSpec(self.optimizer.state_dict())
         return files
@@ -456,6 +469,18 @@ class FlashCkptTrainer(Trainer):
         finally:
             if bars:
                 transformers.utils.logging.enable_progress_bar()
+
+    def _flash_config_files(self, refresh: bool) -> dict[str, FileSpec]:
+        """What ``Trainer._save`` writes besides the weights: config, generation config, tokenizer,
+        training args.
+
+        A persisting save (``refresh``) writes them afresh; a memory-only snapshot carries the last
+        ones (they do not change while training), so that a snapshot persisted from memory (after a
+        crash or on SIGTERM) is a checkpoint ``from_pretrained`` and a stock resume read.
+        """
+        if refresh or self._flash_config_cache is None:
+            self._flash_config_cache = self._flash_small_files(self._save_quietly)
+        return dict(self._flash_config_cache)
 
     @staticmethod
     def _flash_small_files(write: Any) -> dict[str, FileSpec]:

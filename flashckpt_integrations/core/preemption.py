@@ -10,9 +10,12 @@ Call order, in the saver process:
 
 1. :func:`install` (at start, main thread): SIGTERM and SIGINT set the saver's stop deadline
    (now + ``FLASHCKPT_GRACE_S``, default 30 s, the Kubernetes default grace) instead of killing it.
-2. The serve loop sees the deadline, goes on serving while ranks are still connected (for at most
-   ``SETTLE_S``: ranks killed by the same signal drop, and the saver sums and takes up what each
-   left behind), then calls :func:`drain`: let the persists in flight finish, then persist the
+2. The serve loop sees the deadline and goes on serving while ranks are still connected, until
+   :func:`serve_until`: ranks killed by the same signal drop at once (the saver sums and takes up
+   what each left behind); a rank that takes a last save on SIGTERM (``enable_jit_checkpoint``
+   under ``FlashCkptTrainer``, :func:`flashckpt_integrations.preemption.requested` in a loop of
+   one's own) has its persist served as any other, as long as enough of the grace is left for
+   the drain. Then it calls :func:`drain`: let the persists in flight finish, then persist the
    newest step every local rank holds in memory that is newer than the newest commit
    (:func:`.rescue.persist_newest`; the saver of global rank 0 commits it, waiting for the other
    nodes' savers, which do the same, until the deadline). What could not be finished is logged,
@@ -43,6 +46,8 @@ MARGIN_S = 1.0
 class Drainable(Protocol):
     run_dir: str
     stop_deadline: float | None
+    longest_persist_s: float
+    """The longest persist this saver has done (0 when none): what the drain may need again."""
 
     def persists_in_flight(self) -> int: ...
 
@@ -69,6 +74,19 @@ def install(saver: Drainable) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+
+
+def serve_until(saver: Drainable) -> float:
+    """Until when a stopped saver serves the ranks still connected (a monotonic time).
+
+    Ranks still connected after :data:`SETTLE_S` are taking a last save: they are served while the
+    grace leaves room for the drain to persist the newest snapshot afterwards (twice the longest
+    persist seen, or half the grace when there was none).
+    """
+    deadline = saver.stop_deadline if saver.stop_deadline is not None else time.monotonic()
+    seen = saver.longest_persist_s
+    reserve = max(2 * seen, SETTLE_S) if seen > 0 else grace_s() / 2
+    return deadline - MARGIN_S - reserve
 
 
 def drain(saver: Drainable) -> rescue.RescueResult | None:

@@ -100,6 +100,7 @@ class Saver:
         """Persists submitted and not finished (``pending`` also counts commits)."""
         self.pending_lock = threading.Lock()
         self.stop_deadline: float | None = None
+        self.longest_persist_s = 0.0
         """Set when the job is being stopped (SIGTERM, SIGINT): see :mod:`.preemption`."""
         self.recovered: set[tuple[str, int]] = set()
         self.started = time.monotonic()
@@ -118,7 +119,7 @@ class Saver:
         if self.stop_deadline is not None:  # the job is being stopped: see preemption
             self.selector.unregister(listener)
             settle = time.monotonic() + preemption.SETTLE_S
-            while self.connections and time.monotonic() < settle:
+            while self._ranks_connected() and time.monotonic() < max(settle, preemption.serve_until(self)):
                 self._serve_once(listener, timeout=0.05)
             preemption.drain(self)
             logger.info("saver %d exiting", os.getpid())
@@ -156,6 +157,10 @@ class Saver:
 
     def _launcher_alive(self) -> bool:
         return not (self.watch_pid and self.watch_pid != 1 and not pid_alive(self.watch_pid))
+
+    def _ranks_connected(self) -> bool:
+        """Whether a trainer is still connected (peer savers and ``flashckpt ls`` do not count)."""
+        return any(conn.rank is not None for conn in list(self.connections.values()))
 
     def persists_in_flight(self) -> int:
         with self.pending_lock:
@@ -347,6 +352,7 @@ class Saver:
                 logger.error("persist of step %s rank %s failed: %s\n%s", request.get("step"),
                              request.get("rank"), exc, traceback.format_exc())
                 reply.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            self.longest_persist_s = max(self.longest_persist_s, time.monotonic() - started)
             # Rank 0 is answered once the step is committed or failed: its slot is kept until then,
             # and if this saver dies first, the rank asks a new one, which finishes the commit.
             if int(request["rank"]) == 0:

@@ -8,8 +8,12 @@ then ``trainer.save_model()`` and the metrics, as the example does.
         [--resume_from_checkpoint True|OUT/checkpoint-10] [--flash_memory_interval 3] \\
         [--kill_at S] [--result FILE]
 
-``--kill_at S``: SIGKILL right after the memory-only snapshot of step S. Prints one JSON line when
-training begins (what it resumed from) and one at the end; writes the final weights to ``--result``.
+``--kill_at S``: SIGKILL right after the memory-only snapshot of step S. ``--pause_at S``: wait there
+(prints ``{"paused_at": S}``) until SIGTERM, which ends the process or, with
+``--enable_jit_checkpoint True``, lets the step run on to JIT's save at its end. ``--stock``: the same run with
+``transformers.Trainer`` in a process that never imports flashckpt_integrations. ``--flash_config``:
+FlashCkptTrainer's ``flash_config`` as JSON. Prints one JSON line when training begins (what it
+resumed from) and one at the end; writes the final weights to ``--result``.
 """
 
 from __future__ import annotations
@@ -18,17 +22,16 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import HfArgumentParser, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
 from tests.hf.common import FixedData, parameters, tiny_gpt2  # noqa: E402
-from tests.hf.train_script import KillAfterSnapshot  # noqa: E402
 
 
 @dataclass
@@ -36,15 +39,35 @@ class ScriptArguments:
     flash_memory_interval: int | None = field(default=None, metadata={"help": "memory-only snapshots"})
     kill_at: int | None = field(default=None, metadata={"help": "SIGKILL after the snapshot of this step"})
     result: str | None = field(default=None, metadata={"help": "write the final weights here"})
+    pause_at: int | None = field(default=None, metadata={"help": "wait for SIGTERM after the snapshot of this step"})
+    stock: bool = field(default=False, metadata={"help": "transformers.Trainer, without flashckpt_integrations"})
+    flash_config: str | None = field(default=None, metadata={"help": "FlashCkptTrainer's flash_config, as JSON"})
 
 
 class ReportResume(TrainerCallback):
-    def __init__(self, trainer: FlashCkptTrainer) -> None:
+    def __init__(self, trainer) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        print(json.dumps({"resumed_from": self.trainer.flash_resumed_from, "start_step": state.global_step}),
-              flush=True)
+        print(json.dumps({"resumed_from": getattr(self.trainer, "flash_resumed_from", None),
+                          "start_step": state.global_step}), flush=True)
+
+
+class PauseAt(TrainerCallback):
+    """At step S (its snapshot taken), wait for SIGTERM; with JIT checkpointing, go on once it asked to save."""
+
+    def __init__(self, trainer, step: int) -> None:
+        self.trainer, self.step = trainer, step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        self.trainer.flash_checkpointer.wait_for_snapshot()
+        jit = next((cb.jit_manager for cb in self.trainer.callback_handler.callbacks
+                    if getattr(cb, "jit_manager", None) is not None), None)
+        print(json.dumps({"paused_at": self.step, "run_dir": self.trainer.flash_checkpointer.run_dir}), flush=True)
+        while not getattr(jit, "signalled", False):
+            time.sleep(0.02)
 
 
 def main() -> None:
@@ -52,11 +75,20 @@ def main() -> None:
     script_args, training_args = parser.parse_args_into_dataclasses()
     logging.basicConfig(format="%(levelname)s %(name)s %(message)s", level=logging.INFO, stream=sys.stderr)
     transformers.utils.logging.set_verbosity_info()
-    trainer = FlashCkptTrainer(model=tiny_gpt2(), args=training_args, train_dataset=FixedData(),
-                               flash_memory_interval=script_args.flash_memory_interval)
+    if script_args.stock:
+        trainer = Trainer(model=tiny_gpt2(), args=training_args, train_dataset=FixedData())
+    else:
+        from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer
+        from tests.hf.train_script import KillAfterSnapshot
+
+        trainer = FlashCkptTrainer(model=tiny_gpt2(), args=training_args, train_dataset=FixedData(),
+                                   flash_memory_interval=script_args.flash_memory_interval,
+                                   flash_config=json.loads(script_args.flash_config or "{}"))
+        if script_args.kill_at is not None:
+            trainer.add_callback(KillAfterSnapshot(trainer, script_args.kill_at))
+        if script_args.pause_at is not None:
+            trainer.add_callback(PauseAt(trainer, script_args.pause_at))
     trainer.add_callback(ReportResume(trainer))
-    if script_args.kill_at is not None:
-        trainer.add_callback(KillAfterSnapshot(trainer, script_args.kill_at))
     checkpoint = None
     if training_args.resume_from_checkpoint is not None:
         checkpoint = training_args.resume_from_checkpoint
@@ -65,7 +97,9 @@ def main() -> None:
     trainer.log_metrics("train", train_result.metrics)
     if script_args.result:
         torch.save(parameters(trainer.model), script_args.result)
-    print(json.dumps({"final_step": trainer.state.global_step}), flush=True)
+    print(json.dumps({"final_step": trainer.state.global_step,
+                      "imported_flashckpt": any(m.startswith("flashckpt_integrations") for m in sys.modules)}),
+          flush=True)
 
 
 if __name__ == "__main__":
