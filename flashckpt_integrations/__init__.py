@@ -26,6 +26,7 @@ from .errors import (
     SharedMemoryError,
     StorageError,
 )
+from .stop_signal import StopSignal
 
 # Imported on first use (they import torch): the saver imports this package and starts without torch.
 _LAZY = {"Checkpointer": ".core.engine", "FileSpec": ".core.state"}
@@ -65,6 +66,7 @@ __all__ = [
     "SaveStatus",
     "SaverProcessError",
     "SharedMemoryError",
+    "StopSignal",
     "Storage",
     "StorageError",
     "__version__",

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flashckpt_integrations.core.layout import Layout
 from flashckpt_integrations.core.storage import LocalStorage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +117,7 @@ class SlowStorage(LocalStorage):
         self.delay = float(os.environ.get("FLASHCKPT_TEST_WRITE_DELAY", "1"))
 
     def open_write(self, path: str):  # type: ignore[override]
-        if not path.startswith(".flashckpt") or path.startswith(".flashckpt/staging/"):
+        if Layout.is_data_file(path):
             time.sleep(self.delay)
         return super().open_write(path)
 

@@ -74,6 +74,12 @@ class Layout:
         return self.step_path(step)
 
     @staticmethod
+    def is_data_file(path: str) -> bool:
+        """Whether ``path`` (relative to the checkpoint directory) is a checkpoint's file, staged or
+        in place, rather than a marker or record of the commit protocol."""
+        return not path.startswith(META_DIR) or path.startswith(f"{META_DIR}/staging/")
+
+    @staticmethod
     def staging_root(step: int, sid: str) -> str:
         """The folder that holds save ``sid`` of ``step`` while it is staged (its alone: removed at commit)."""
         return f"{META_DIR}/staging/{step}.{sid}"

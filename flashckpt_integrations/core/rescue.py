@@ -39,7 +39,6 @@ from .client import job_id_for, job_key
 from .layout import (
     COMMITTED,
     FAILED,
-    META_DIR,
     Layout,
     commit_record,
     commit_records,
@@ -386,7 +385,7 @@ class _CountingStorage:
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         with self._inner.open_write(path) as f:
-            yield f if path.startswith(META_DIR) else _CountingFile(f, self._counter)
+            yield _CountingFile(f, self._counter) if Layout.is_data_file(path) else f
 
 
 class _CountingFile:

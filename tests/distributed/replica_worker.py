@@ -5,7 +5,8 @@ order (all_gather, then summed rank 0 first), so every rank holds the same param
 reproducible bit for bit: :func:`reference` computes it in one process. It resumes with ``load()``,
 snapshots every step into memory and persists every ``--persist-every`` steps. With ``--api dcp``
 it saves and resumes through the DCP adapter (``flash_dcp.save`` / ``flash_dcp.load``) instead. With ``--pause-at``
-it stops after that step's save, touches ``<out>/paused-<rank>`` and waits to be killed. Each rank
+it stops after that step's save, touches ``<out>/paused-<rank>`` and waits to be killed (with
+``--last-save-on-sigterm``, for SIGTERM: the next step is then saved persisting and ends the run). Each rank
 writes ``<out>/rank-<rank>.json`` (its load, its saves) and, at the end, ``<out>/final-<rank>.pt``.
 """
 
@@ -18,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flashckpt_integrations import Checkpointer
+from flashckpt_integrations import Checkpointer, StopSignal
 from flashckpt_integrations.adapters import dcp as flash_dcp
 
 
@@ -70,7 +71,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes beyond its compute")
     parser.add_argument("--storage-factory", default=None, help="e.g. tests.helpers:SlowStorage")
+    parser.add_argument("--last-save-on-sigterm", action="store_true",
+                        help="StopSignal: SIGTERM ends a pause; the next step is saved persisting, and the last")
     args = parser.parse_args()
+    stop = StopSignal() if args.last_save_on_sigterm else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -101,13 +105,14 @@ def main() -> None:
                       "tiers": None if dcp or loaded is None else {str(r): t for r, t in loaded.tiers.items()}}
     flush()
     for step in range(start + 1, args.steps + 1):
+        stopping = stop is not None and stop.agreed()
         grads = rank_gradients(model, step, rank)
         time.sleep(args.step_sleep)
         gathered = [[torch.empty_like(g) for g in grads] for _ in range(world)]
         for i, g in enumerate(grads):
             dist.all_gather([gathered[r][i] for r in range(world)], g)
         apply_mean(model, opt, gathered)
-        persist = step % args.persist_every == 0
+        persist = step % args.persist_every == 0 or stopping
         if dcp:
             progress["step"].fill_(step)
             result = flash_dcp.save(ck, step, {"model": model, "optim": opt, "progress": progress}, persist=persist)
@@ -118,8 +123,11 @@ def main() -> None:
         if step == args.pause_at:
             flush()
             open(os.path.join(args.out, f"paused-{rank}"), "w").close()
-            while True:
-                time.sleep(1)
+            while not (stop is not None and stop.requested):
+                time.sleep(0.05)
+        if stopping:  # the job is being stopped: this step was the last save
+            record["stopped_at"] = step
+            break
     outcome = ck.wait()
     record["committed"] = outcome is not None and outcome.committed
     torch.save(model.state_dict(), os.path.join(args.out, f"final-{rank}.pt"))

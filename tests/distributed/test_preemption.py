@@ -92,3 +92,39 @@ def test_sigterm_to_every_process_commits_the_newest_snapshot_and_the_job_resume
     finally:
         for run_dir in run_dirs:
             kill_savers(run_dir)
+
+
+def test_a_loop_with_stop_signal_persists_the_step_it_was_in_and_the_job_resumes_from_it(tmp_path, private_shm_dir):
+    """StopSignal: SIGTERM to every process while the ranks are in step 14 (their snapshot of 13 taken):
+    they finish step 14, save it persisting and leave; the saver serves that save before it exits."""
+    ckpt, shm = tmp_path / "ckpt", [os.path.join(private_shm_dir, "node0")]
+    os.makedirs(shm[0], mode=0o700)
+    run_dirs: list[str] = []
+    try:
+        job = launch(ckpt, tmp_path / "run1", shm, 1, "--pause-at", str(STOP_AT), "--last-save-on-sigterm")
+        wait_for(lambda: all(os.path.exists(tmp_path / "run1" / f"paused-{r}") for r in (0, 1)),
+                 f"both ranks at step {STOP_AT}", job)
+        wait_for(lambda: (ckpt / ".flashckpt" / "steps" / "10" / "COMMITTED").exists(), "the commit of step 10", job)
+        recs = records(tmp_path / "run1")
+        run_dirs = sorted({r["run_dir"] for r in recs})
+        for pid in [job[0].pid, *(r["pid"] for r in recs), *saver_pids(run_dirs[0])]:
+            os.kill(pid, signal.SIGTERM)
+        output, _ = job[0].communicate(timeout=60)
+        wait_for(lambda: not saver_pids(run_dirs[0]), "the saver to finish and exit", [], timeout=GRACE_S + 10)
+        for rec in records(tmp_path / "run1"):
+            assert rec.get("stopped_at") == STOP_AT + 1 and rec.get("committed") is True, (rec, output[-3000:])
+        commits = sorted(int(p.split(os.sep)[-2]) for p in glob.glob(str(ckpt / ".flashckpt" / "steps" / "*" /
+                                                                            "COMMITTED")))
+        assert commits == [10, STOP_AT + 1], commits
+        for name in os.listdir(shm[0]):  # the node is gone
+            os.unlink(os.path.join(shm[0], name))
+
+        (second,) = launch(ckpt, tmp_path / "run2", shm, 1)
+        output, _ = second.communicate(timeout=180)
+        assert second.returncode == 0, output[-4000:]
+        for rec in records(tmp_path / "run2"):
+            assert (rec["load"]["step"], rec["load"]["source"]) == (STOP_AT + 1, "storage"), rec["load"]
+        assert_like_uninterrupted(tmp_path / "run2", STEPS, 2)
+    finally:
+        for run_dir in run_dirs:
+            kill_savers(run_dir)

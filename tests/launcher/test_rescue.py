@@ -76,6 +76,18 @@ def test_persists_the_newest_step_every_rank_holds_and_never_a_partial_one(make_
     assert persist_newest({}).status is RescueStatus.NOTHING
 
 
+def test_a_staged_layouts_files_count_as_written(make_checkpointer, tmp_path):
+    """Files staged under .flashckpt/staging/ (the HF Trainer's layout) are data, not markers."""
+    ckpt = tmp_path / "ckpt"
+    ck = make_checkpointer(ckpt, layout=Layout(step_dir="checkpoint-{step}", tracker=None, staging=True))
+    assert ck.save(3, state(3, 0), persist=False).ok
+    assert ck.wait_for_snapshot() is None  # a first save is sealed once its attempt is recorded
+    result = persist_newest(job_slots(ckpt))
+    assert (result.status, result.step) == (RescueStatus.COMMITTED, 3), result
+    assert torch.equal(torch.load(ckpt / "checkpoint-3" / "rank-0.pt")["w"], state(3, 0)["w"])
+    assert result.bytes_written >= 128 * 64 * 4, result
+
+
 def test_each_node_persists_its_ranks_and_rank_0s_node_commits(make_checkpointer, tmp_path):
     ckpt = tmp_path / "ckpt"
     for ck in two_ranks(make_checkpointer, ckpt):
