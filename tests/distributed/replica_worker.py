@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes beyond its compute")
     parser.add_argument("--storage-factory", default=None, help="e.g. tests.helpers:SlowStorage")
+    parser.add_argument("--print-steps", action="store_true", help="rank 0 prints a JSON line after each save")
     parser.add_argument("--last-save-on-sigterm", action="store_true",
                         help="StopSignal: SIGTERM ends a pause; the next step is saved persisting, and the last")
     args = parser.parse_args()
@@ -120,6 +121,8 @@ def main() -> None:
             result = ck.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step},
                              persist=persist)
         record["saves"].append({"step": step, "status": result.status.value, "blocking_s": result.blocking_s})
+        if args.print_steps and rank == 0:
+            print(json.dumps({"at": step, "snapshot": step if result.ok else None}), flush=True)
         if step == args.pause_at:
             flush()
             open(os.path.join(args.out, f"paused-{rank}"), "w").close()

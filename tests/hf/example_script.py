@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from tests.hf.common import FixedData, parameters, tiny_gpt2  # noqa: E402
 
@@ -42,6 +43,7 @@ class ScriptArguments:
     pause_at: int | None = field(default=None, metadata={"help": "wait for SIGTERM after the snapshot of this step"})
     stock: bool = field(default=False, metadata={"help": "transformers.Trainer, without flashckpt_integrations"})
     flash_config: str | None = field(default=None, metadata={"help": "FlashCkptTrainer's flash_config, as JSON"})
+    step_sleep: float = field(default=0.0, metadata={"help": "seconds each step sleeps; each step prints a line"})
 
 
 class ReportResume(TrainerCallback):
@@ -51,6 +53,23 @@ class ReportResume(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         print(json.dumps({"resumed_from": getattr(self.trainer, "flash_resumed_from", None),
                           "start_step": state.global_step}), flush=True)
+
+
+class Progress(TrainerCallback):
+    """Before each step: ``{"at": steps done, "snapshot": the newest step a restart could resume}``."""
+
+    def __init__(self, trainer, sleep: float) -> None:
+        self.trainer, self.sleep = trainer, sleep
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        last = getattr(self.trainer, "flash_last_save", None)
+        if hasattr(self.trainer, "flash_last_save"):
+            snapshot = last.step if last is not None and last.ok else None
+        else:  # the stock Trainer: its newest checkpoint folder
+            newest = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+            snapshot = int(newest.rsplit("-", 1)[1]) if newest else None
+        print(json.dumps({"at": state.global_step, "snapshot": snapshot}), flush=True)
+        time.sleep(self.sleep)
 
 
 class PauseAt(TrainerCallback):
@@ -89,9 +108,14 @@ def main() -> None:
         if script_args.pause_at is not None:
             trainer.add_callback(PauseAt(trainer, script_args.pause_at))
     trainer.add_callback(ReportResume(trainer))
+    if script_args.step_sleep:
+        trainer.add_callback(Progress(trainer, script_args.step_sleep))
     checkpoint = None
     if training_args.resume_from_checkpoint is not None:
         checkpoint = training_args.resume_from_checkpoint
+        if script_args.stock and checkpoint in ("True", "true"):  # as run_clm.py finds it
+            checkpoint = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) \
+                else None
     train_result = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)
