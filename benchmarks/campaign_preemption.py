@@ -199,6 +199,26 @@ def trial(name: str, grace: float, rng: random.Random, base: str, hf_final: dict
     return row
 
 
+def table(rows: list[dict]) -> str:
+    """The campaign's table: per configuration and grace, the steps lost beyond the newest snapshot
+    at SIGTERM, the steps redone (trained before SIGTERM, trained again after the relaunch), relaunches
+    that failed and final states that differ from the uninterrupted run."""
+    by = collections.defaultdict(list)
+    for row in rows:
+        by[(row["config"], row["grace"])].append(row)
+    lines = ["| configuration | grace | trials | steps lost beyond the newest snapshot: max (total) | "
+             "steps redone: median (max) | relaunch failed | final state differs |",
+             "|---|---|---|---|---|---|---|"]
+    for (name, grace), group in by.items():
+        lost = [r["lost"] for r in group if r["lost"] is not None]
+        redone = sorted(max(0, r["at"] - r["resumed"]) for r in group if r["resumed"] is not None)
+        median = redone[len(redone) // 2] if redone else "-"
+        lines.append(f"| {name} | {grace:g} s | {len(group)} | {max(lost, default='-')} ({sum(lost)}) | "
+                     f"{median} ({max(redone, default='-')}) | {sum(not r['completed'] for r in group)} | "
+                     f"{sum(not r['equal'] for r in group)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=10, help="per configuration and grace")
@@ -207,7 +227,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every trial here")
     parser.add_argument("--keep", action="store_true", help="keep each trial's directory (and say where)")
+    parser.add_argument("--table", help="print the table of an earlier run's --json file and exit")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return
     rng = random.Random(args.seed)
     base = tempfile.mkdtemp(prefix="campaign-preemption-")
     graces = [float(g) for g in args.graces.split(",")]
@@ -230,17 +255,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    by = collections.defaultdict(list)
-    for row in rows:
-        by[(row["config"], row["grace"])].append(row)
-    print("\n| configuration | grace | trials | steps lost beyond the newest snapshot (each) | max | relaunch failed | "
-          "final state wrong |")
-    print("|---|---|---|---|---|---|---|")
-    for (name, grace), group in by.items():
-        lost = [r["lost"] for r in group]
-        print(f"| {name} | {grace:g} s | {len(group)} | {', '.join(str(x) for x in lost)} | "
-              f"{max((x for x in lost if x is not None), default='-')} | "
-              f"{sum(not r['completed'] for r in group)} | {sum(not r['equal'] for r in group)} |")
+    print()
+    print(table(rows))
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
 
