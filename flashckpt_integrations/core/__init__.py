@@ -10,8 +10,8 @@ Where each module runs:
   replicas), ``client`` (the socket to the saver), ``collectives``; ``rescue`` runs in the CLI
   and the launcher (``flashckpt persist``);
 - the saver process (``python -m flashckpt_integrations.core.saver``, no torch): ``saver`` (the
-  process: socket, ops, recovery, exit), ``replication``, ``replica_rounds``, ``replica_reuse``,
-  ``peers``;
+  process: socket, ops, recovery, exit), ``preemption`` (what it does on SIGTERM),
+  ``replication``, ``replica_rounds``, ``replica_reuse``, ``peers``;
 - both: ``persister`` (persist, commit, retention), ``commit``, ``lineage``, ``layout``,
   ``storage``, ``writing``, ``torchzip``, ``shm_buffer`` (``Slot``), ``replica_slots``,
   ``verify``, ``retention``, ``protocol``, ``results``.
