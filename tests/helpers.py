@@ -148,9 +148,14 @@ def saver_pids(run_dir: str) -> list[int]:
 
 
 def kill_savers(run_dir: str) -> None:
+    """SIGKILL the savers of ``run_dir`` and wait until they are gone (a process with large mappings
+    takes a moment to exit after SIGKILL)."""
     for pid in saver_pids(run_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while saver_pids(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def raising_fsspec_storage(url: str, **options: Any):
