@@ -13,8 +13,8 @@ Call order, in the saver process:
 2. The serve loop sees the deadline and goes on serving while ranks are still connected, until
    :func:`serve_until`: ranks killed by the same signal drop at once (the saver sums and takes up
    what each left behind); a rank that takes a last save on SIGTERM (``enable_jit_checkpoint``
-   under ``FlashCkptTrainer``, :func:`flashckpt_integrations.preemption.requested` in a loop of
-   one's own) has its persist served as any other, as long as enough of the grace is left for
+   under ``FlashCkptTrainer``, :class:`flashckpt_integrations.StopSignal` in a loop of one's
+   own) has its persist served as any other, as long as enough of the grace is left for
    the drain. Then it calls :func:`drain`: let the persists in flight finish, then persist the
    newest step every local rank holds in memory that is newer than the newest commit
    (:func:`.rescue.persist_newest`; the saver of global rank 0 commits it, waiting for the other

@@ -100,8 +100,9 @@ class Saver:
         """Persists submitted and not finished (``pending`` also counts commits)."""
         self.pending_lock = threading.Lock()
         self.stop_deadline: float | None = None
-        self.longest_persist_s = 0.0
         """Set when the job is being stopped (SIGTERM, SIGINT): see :mod:`.preemption`."""
+        self.longest_persist_s = 0.0
+        """The longest persist so far: how much of the grace a stopped saver keeps for its drain."""
         self.recovered: set[tuple[str, int]] = set()
         self.started = time.monotonic()
         self.replication = Replication(run_dir, self.persister.storage)
