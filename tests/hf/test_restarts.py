@@ -192,6 +192,9 @@ def test_jit_checkpoint_on_sigterm_commits_before_it_returns_and_a_short_grace_l
     slow = json.dumps({"storage_factory": "tests.helpers:SlowStorage"})
     monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "0")
     run(out, "--flash_config", slow, kill_at=12)  # commits 5 and 10 at full speed, a snapshot of 12
+    deadline = time.monotonic() + 60  # the saver outlives the killed script: let it finish the commit of 10
+    while not (out / "checkpoint-10").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     for pid in savers_of_this_test():  # the relaunch starts a saver of its own, on the slow storage
         os.kill(pid, signal.SIGKILL)
     monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "2")
