@@ -67,12 +67,12 @@ def worker(args: argparse.Namespace) -> None:
     out = os.path.join(args.out, f"rank-{rank}.json")
     record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "run_dir": ck.run_dir}
     if args.load_only:
-        ck._client.connect()  # the node's saver is up (a real job starts it at the Checkpointer, off the clock)
+        ck.client.connect()  # the node's saver is up (a real job starts it at the Checkpointer, off the clock)
         dist.barrier()
         started = time.perf_counter()
         loaded = ck.load(target=state)
         record["load"] = {"seconds": time.perf_counter() - started, "source": loaded and loaded.source,
-                          "step": loaded and loaded.step, "fetched": ck._replicas.fetched}
+                          "step": loaded and loaded.step, "fetched": ck.replicas.fetched}
         ck.close()
         _write(out, record)
         dist.destroy_process_group()
@@ -207,7 +207,7 @@ def _evict(root: str) -> None:
 
 def _replica_steps(shm: str, ckpt: str) -> set[tuple[int, int]]:
     from flashckpt_integrations.core.client import job_key
-    from flashckpt_integrations.core.replica_slots import list_replicas
+    from flashckpt_integrations.core.replication import list_replicas
 
     return {(r.rank, r.step) for r in list_replicas(shm, job_key(ckpt))}
 

@@ -316,8 +316,8 @@ class Ours:
 
         def start() -> Any:
             ck = Checkpointer(self.p["ckpt"], job_id=self.p["job"], shm_dir=self.p["shm_dir"], **self.config)
-            ck._client.connect()
-            answer = ck._client.request({"op": "ping"}).result(30)
+            ck.client.connect()
+            answer = ck.client.request({"op": "ping"}).result(30)
             if not answer.get("ok", True):
                 raise RuntimeError(f"the saver answered {answer}")
             return ck
@@ -645,7 +645,7 @@ def task_early(p: dict[str, Any]) -> dict[str, Any]:
         for step in (1, 2, 3):
             results.append(ck.save(step, state, persist=True))
             time.sleep(EARLY_GAP_S)
-        if ck._client.connected:
+        if ck.client.connected:
             raise RuntimeError("the saver answered before the third save: raise EARLY_HOLD_S")
         out["early_saves"] = [r.blocking_s for r in results]
         for r in results:

@@ -65,7 +65,7 @@ def _shm(rank: int) -> str:
 def _replica(rank: int, step: int) -> str | None:
     """The replica of ``rank``'s snapshot of ``step`` that the other node holds."""
     from flashckpt_integrations.core.client import job_key
-    from flashckpt_integrations.core.replica_slots import list_replicas
+    from flashckpt_integrations.core.replication import list_replicas
 
     found = [r.path for r in list_replicas(_shm(1 - rank), job_key("campaign")) if r.rank == rank and r.step == step]
     return found[0] if found else None

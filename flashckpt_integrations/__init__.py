@@ -29,10 +29,10 @@ from .errors import (
 from .stop_signal import StopSignal
 
 # Imported on first use (they import torch): the saver imports this package and starts without torch.
-_LAZY = {"Checkpointer": ".core.engine", "FileSpec": ".core.state"}
+_LAZY = {"Checkpointer": ".core.checkpointer", "FileSpec": ".core.state"}
 
 if TYPE_CHECKING:
-    from .core.engine import Checkpointer
+    from .core.checkpointer import Checkpointer
     from .core.state import FileSpec
 
 

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from . import knobs
 from ._utils.help import HelpFormatter
-from .core import peers, replication, verify
+from .core import replication, verify
 from .core.client import job_id_for, job_key, saver_running, user_run_root
 from .core.layout import (
     Layout,
@@ -39,7 +39,7 @@ from .core.layout import (
     read_json,
 )
 from .core.protocol import LOG_NAME
-from .core.replica_slots import list_replicas, replica_paths
+from .core.replication import list_replicas, peers, replica_paths
 from .core.rescue import RescueStatus, job_replicas, job_slots, persist_newest
 from .core.shm_buffer import Slot
 from .core.storage import ENTRY_POINT_GROUP, Storage, storage_from_url
@@ -192,7 +192,7 @@ def _nodes(storage: Storage, url: str, job_id: str | None) -> list[dict[str, Any
         return [{"node_rank": None, "state": "refused", "error": str(exc), "local": [], "replicas": []}]
     if secret is None:
         return []
-    return replication.survey(storage, job, secret)
+    return replication.survey(peers.PeerDialer(storage, job, secret))
 
 
 def _replication_status(run_dirs: list[str]) -> list[dict[str, Any]]:

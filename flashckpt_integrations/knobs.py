@@ -29,7 +29,7 @@ FAULT = "FLASHCKPT_FAULT"
 (default: the first) it reaches ``point``; see ``flashckpt_integrations/_utils/faults.py``."""
 REPLICAS = "FLASHCKPT_REPLICAS"
 """Replica count (0, 1 or 2), in place of ``CheckpointerConfig.replicas``: how many peer nodes keep
-a copy of each node's newest memory snapshots (see ``core/replication.py``)."""
+a copy of each node's newest memory snapshots (see ``core/replication/``)."""
 REPLICA_SECRET = "FLASHCKPT_REPLICA_SECRET"
 """The job's replication secret, when the launcher hands one to every node (default: a 0600 file
 in the checkpoint directory's ``.flashckpt``, made by the first saver)."""
@@ -41,7 +41,7 @@ REPLICA_SHM_RESERVE = "FLASHCKPT_REPLICA_SHM_RESERVE"
 system); a replica that needs more is skipped and reported."""
 REPLICA_REUSE = "FLASHCKPT_REPLICA_REUSE"
 """``0``: a saver takes every peer's replica whole, never copying identical data-parallel bytes
-from its own ranks' snapshots (see ``core/replica_reuse.py``; default on)."""
+from its own ranks' snapshots (see ``core/replication/reuse.py``; default on)."""
 REPLICA_DUTY = "FLASHCKPT_REPLICA_DUTY"
 """The share of the time a saver's copies to one peer may take, in (0, 1] (default 0.1): after a
 copy of ``d`` seconds the next waits ``d * (1 / duty - 1)``; 1 copies back to back."""
@@ -51,7 +51,7 @@ whose copies cost its busiest node ``c`` CPU seconds is followed by one no soone
 ``c / (share * CPUs)`` seconds later (and no sooner than ``FLASHCKPT_REPLICA_DUTY`` allows)."""
 REPLICA_ROUNDS = "FLASHCKPT_REPLICA_ROUNDS"
 """``0``: each saver copies the newest snapshot of each of its ranks on its own, with no step kept
-in common (see ``core/replica_rounds.py``; default on: job-wide rounds led by node 0's saver)."""
+in common (see ``core/replication/rounds.py``; default on: job-wide rounds led by node 0's saver)."""
 GRACE_S = "FLASHCKPT_GRACE_S"
 """Seconds between SIGTERM and SIGKILL when the job is stopped (default 30, Kubernetes' default
 ``terminationGracePeriodSeconds``): the node's saver persists the newest memory snapshot within

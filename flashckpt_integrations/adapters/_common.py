@@ -1,22 +1,27 @@
 """Helpers shared by the adapters: which snapshot to resume from, how a resume and a save are
-reported to the core and the log, and small files made by stock code."""
+reported to the core and the log, small files made by stock code, and the collectives of the
+adapters' own (a check-in that fails instead of hanging, a broadcast of bytes)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import datetime
+import json
 import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..core import collectives
-from ..core.engine import Checkpointer
+from ..core.checkpointer import Checkpointer
 from ..core.results import SaveResult, SaveStatus
 from ..core.state import Codec, FileSpec
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, FlashCkptError
 
 
 def newest_memory_step(ck: Checkpointer, steps: list[int] | None = None) -> int | None:
@@ -171,3 +176,62 @@ def write_byte_files(files: Mapping[str, Any], prefix: str) -> str:
             with open(target, "wb") as f:
                 f.write(obj)
     return path
+
+
+# --- collectives -----------------------------------------------------------------------------
+
+
+def broadcast_bytes(data: bytes | None, ck: Checkpointer, src: int = 0) -> bytes | None:
+    """``data`` of rank ``src`` (group rank) on every rank; ``None`` travels as ``None``."""
+    if ck.world_size == 1 or not dist.is_initialized():
+        return data
+    group = ck.process_group
+    device = collectives.collective_device(group)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, global_src, group=group)
+    n = int(size.item())
+    if n < 0:
+        return None
+    if ck.rank == src:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        buffer = buffer.to(device)
+    else:
+        buffer = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, global_src, group=group)
+    if ck.rank == src:
+        return data
+    buffer = buffer.cpu()
+    return ctypes.string_at(buffer.data_ptr(), n) if n else b""
+
+
+_check_ins: dict[str, int] = {}
+"""How many check-ins of each key this process made (the store keys of the next one count on)."""
+
+
+def check_in(op: str, group: Any, timeout_s: float, vote: Any = None) -> list[Any]:
+    """Every rank's ``vote`` (JSON), in group rank order, through the job's store.
+
+    Fails within ``timeout_s`` naming the missing ranks, instead of hanging, when not every rank
+    calls ``op``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [vote]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    key = f"flashckpt/{op}/{'-'.join(map(str, ranks[:4]))}/{len(ranks)}"
+    _check_ins[key] = _check_ins.get(key, 0) + 1
+    base = f"{key}/{_check_ins[key]}"
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{base}/{dist.get_rank()}", json.dumps(vote))
+    names = [f"{base}/{r}" for r in ranks]
+    try:  # the store answers as soon as the last rank's key is set: no polling delay
+        store.wait(names, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # DistStoreError on a timeout
+        missing = [r for r, name in zip(ranks, names) if not store.check([name])]
+        if not missing:
+            raise
+        raise FlashCkptError(
+            f"{op} is collective but ranks {missing} did not call it within {timeout_s:.0f}s (rank "
+            f"{dist.get_rank()} did). Call it on every rank of the process group, at the same point."
+        ) from exc
+    return [json.loads(v) for v in store.multi_get(names)]

@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from ..core import collectives
+from ..core.checkpointer import Checkpointer
 from ..core.codecs import decode_from_slot
-from ..core.engine import Checkpointer
 from ..core.state import FileSpec
 from ..errors import CheckpointNotFoundError, FlashCkptError, missing_dependency
 from . import dcp as flash_dcp
 from ._common import share_from_rank0
-from .fsdp import _gather_full, _is_fsdp1
+from ._hf_files import weight_files
+from .fsdp import gather_full, is_fsdp1
 
 try:
     from accelerate.utils.constants import FSDP_MODEL_NAME
@@ -48,7 +50,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without accelera
     raise missing_dependency("accelerate", "hf") from exc
 
 if TYPE_CHECKING:
-    from .hf_trainer import FlashCkptTrainer, _MemoryResume
+    from transformers import Trainer
+
+    from ._hf_resume import MemoryResume
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +66,15 @@ FULL_OPTIMIZER_FILE = f"{FSDP_OPTIMIZER_NAME}.bin"
 """``save_fsdp_optimizer``'s file (``FULL_STATE_DICT``, written by rank 0)."""
 
 
-def _plugin(trainer: FlashCkptTrainer) -> Any:
+def _plugin(trainer: Trainer) -> Any:
     return trainer.accelerator.state.fsdp_plugin
 
 
-def _is_sharded(trainer: FlashCkptTrainer) -> bool:
+def _is_sharded(trainer: Trainer) -> bool:
     return _plugin(trainer).state_dict_type == StateDictType.SHARDED_STATE_DICT
 
 
-def unsupported(trainer: FlashCkptTrainer) -> str | None:
+def unsupported(trainer: Trainer) -> str | None:
     """Why this FSDP configuration needs the stock checkpointing, or None."""
     kind = _plugin(trainer).state_dict_type
     if kind not in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT):
@@ -78,7 +82,7 @@ def unsupported(trainer: FlashCkptTrainer) -> str | None:
     return None
 
 
-def _context(trainer: FlashCkptTrainer, model: Any) -> Any:
+def _context(trainer: Trainer, model: Any) -> Any:
     """accelerate's state-dict context: FSDP1 switches the model's state-dict type, FSDP2 needs nothing."""
     plugin = _plugin(trainer)
     if plugin.fsdp_version != 1:
@@ -87,7 +91,7 @@ def _context(trainer: FlashCkptTrainer, model: Any) -> Any:
                                 plugin.optim_state_dict_config)
 
 
-def _options(trainer: FlashCkptTrainer) -> StateDictOptions | None:
+def _options(trainer: Trainer) -> StateDictOptions | None:
     """The ``StateDictOptions`` accelerate uses for FSDP2 (``None`` for FSDP1), as ``_prepare_sd_options``."""
     plugin = _plugin(trainer)
     if plugin.fsdp_version != 2:
@@ -99,13 +103,13 @@ def _options(trainer: FlashCkptTrainer) -> StateDictOptions | None:
     )
 
 
-def _model_state_dict(trainer: FlashCkptTrainer, model: Any) -> dict[str, Any]:
+def _model_state_dict(trainer: Trainer, model: Any) -> dict[str, Any]:
     """The model state dict ``save_fsdp_model`` / ``load_fsdp_model`` use (inside :func:`_context`)."""
     options = _options(trainer)
     return model.state_dict() if options is None else get_model_state_dict(model, options=options)
 
 
-def _optimizer_state_dict(trainer: FlashCkptTrainer, model: Any) -> dict[str, Any]:
+def _optimizer_state_dict(trainer: Trainer, model: Any) -> dict[str, Any]:
     """The optimizer state dict ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` use (inside :func:`_context`)."""
     options = _options(trainer)
     if options is None:
@@ -116,16 +120,19 @@ def _optimizer_state_dict(trainer: FlashCkptTrainer, model: Any) -> dict[str, An
 # --- saving ----------------------------------------------------------------------------------
 
 
-def state_files(trainer: FlashCkptTrainer, persist: bool) -> dict[str, FileSpec]:
-    """This rank's model and optimizer files of a snapshot (collective)."""
+def state_files(trainer: Trainer, ck: Checkpointer, persist: bool,
+                config_files: Callable[[bool], dict[str, FileSpec]]) -> dict[str, FileSpec]:
+    """This rank's model and optimizer files of a snapshot by ``ck`` (collective). With a full state dict,
+    rank 0's include ``config_files(persist)`` (what ``Trainer._save`` writes besides the weights, written
+    afresh by a persisting save) and, with ``persist``, the weights ``save_model`` writes."""
     if _is_sharded(trainer):
-        return _sharded_files(trainer)
-    return _full_files(trainer, persist)
+        return _sharded_files(trainer, ck.process_group)
+    return _full_files(trainer, persist, config_files)
 
 
-def _sharded_files(trainer: FlashCkptTrainer) -> dict[str, FileSpec]:
+def _sharded_files(trainer: Trainer, group: Any) -> dict[str, FileSpec]:
     """The two DCP folders of this rank's shards (Trainer refuses save_only_model with sharded state dicts)."""
-    model, group = trainer.model, trainer.flash_checkpointer.process_group
+    model = trainer.model
     with _context(trainer, model):
         files = flash_dcp.dcp_files({"model": _model_state_dict(trainer, model)}, folder=MODEL_FOLDER,
                                     process_group=group)
@@ -134,16 +141,17 @@ def _sharded_files(trainer: FlashCkptTrainer) -> dict[str, FileSpec]:
     return files
 
 
-def _full_files(trainer: FlashCkptTrainer, persist: bool) -> dict[str, FileSpec]:
+def _full_files(trainer: Trainer, persist: bool,
+                config_files: Callable[[bool], dict[str, FileSpec]]) -> dict[str, FileSpec]:
     """Rank 0's full-state files (``{}`` on the other ranks); the state is gathered once."""
     optimizer = None if trainer.args.save_only_model else trainer.optimizer
-    model_sd, optim_sd = _gather_full(trainer.model, optimizer)
+    model_sd, optim_sd = gather_full(trainer.model, optimizer)
     if not trainer.args.should_save:
         return {}
     files: dict[str, FileSpec] = {}
     if persist:  # what save_model writes; memory-only snapshots skip this second copy of the weights
-        files.update(trainer._flash_model_files(model_sd))
-    files.update(trainer._flash_config_files(refresh=persist))
+        files.update(weight_files(trainer, model_sd))
+    files.update(config_files(persist))
     if optim_sd is not None:
         files[FULL_MODEL_FILE] = FileSpec(model_sd)
         files[FULL_OPTIMIZER_FILE] = FileSpec(optim_sd)
@@ -168,7 +176,7 @@ def memory_files(ck: Checkpointer, step: int) -> dict[str, Any]:
 
     Collective.
     """
-    snapshot = ck._memory_snapshots().get(step)
+    snapshot = ck.memory_snapshots().get(step)
     if snapshot is None:
         raise CheckpointNotFoundError(f"rank {ck.rank} no longer holds step {step} in memory")
     slot, meta = snapshot
@@ -180,9 +188,8 @@ def memory_files(ck: Checkpointer, step: int) -> dict[str, Any]:
     return share_from_rank0(files, ck.rank, is_own=_rank_own)
 
 
-def load_model(trainer: FlashCkptTrainer, model: Any, memory: _MemoryResume) -> None:
-    """Load the model from the memory snapshot, as ``load_fsdp_model`` does from a folder (collective)."""
-    ck = trainer.flash_checkpointer
+def load_model(trainer: Trainer, ck: Checkpointer, model: Any, memory: MemoryResume) -> None:
+    """Load the model from the memory snapshot of ``ck``, as ``load_fsdp_model`` does from a folder (collective)."""
     if _is_sharded(trainer):
         with _context(trainer, model):
             state = {"model": _model_state_dict(trainer, model)}
@@ -194,9 +201,10 @@ def load_model(trainer: FlashCkptTrainer, model: Any, memory: _MemoryResume) -> 
     _set_full(model, model_sd or {}, None)
 
 
-def load_optimizer(trainer: FlashCkptTrainer, memory: _MemoryResume) -> None:
-    """Load the optimizer from the memory snapshot, as ``load_fsdp_optimizer`` does from a folder (collective)."""
-    ck, model = trainer.flash_checkpointer, trainer.model
+def load_optimizer(trainer: Trainer, ck: Checkpointer, memory: MemoryResume) -> None:
+    """Load the optimizer from the memory snapshot of ``ck``, as ``load_fsdp_optimizer`` does from a folder
+    (collective)."""
+    model = trainer.model
     if _is_sharded(trainer):
         with _context(trainer, model):
             state = {"optimizer": _optimizer_state_dict(trainer, model)}
@@ -212,7 +220,7 @@ def load_optimizer(trainer: FlashCkptTrainer, memory: _MemoryResume) -> None:
     _set_full(model, None, (trainer.optimizer, optim_sd or {}))
 
 
-def _set_model(trainer: FlashCkptTrainer, model: Any, state_dict: dict[str, Any]) -> None:
+def _set_model(trainer: Trainer, model: Any, state_dict: dict[str, Any]) -> None:
     options = _options(trainer)
     if options is None:
         model.load_state_dict(state_dict)
@@ -230,7 +238,7 @@ def _require_on_rank0(ck: Checkpointer, obj: Any, step: int, name: str) -> None:
 
 def _set_full(model: Any, model_sd: dict | None, optimizer: tuple[Any, dict] | None) -> None:
     """Scatter rank 0's full model or optimizer state into the sharded model / optimizer (collective)."""
-    if _is_fsdp1(model):  # FSDP1 loads a full state dict on every rank: rank 0 sends it
+    if is_fsdp1(model):  # FSDP1 loads a full state dict on every rank: rank 0 sends it
         shared = [model_sd, optimizer[1] if optimizer else None] if dist.get_rank() == 0 else [None, None]
         dist.broadcast_object_list(shared, src=0)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),

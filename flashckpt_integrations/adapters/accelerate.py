@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..config import CheckpointerConfig
-from ..core.engine import Checkpointer
+from ..core.checkpointer import Checkpointer
 from ..core.layout import Layout
 from ..core.results import SaveResult, SaveStatus
 from ..core.retention import RetentionPolicy

@@ -37,11 +37,8 @@ values, which DCP saves once) are sent over the process group. Loading from stor
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import datetime
 import io
-import json
 import logging
 import os
 import pickle
@@ -52,17 +49,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..config import CheckpointerConfig
 from ..core import collectives
+from ..core.checkpointer import Checkpointer
 from ..core.codecs import decode_from_slot, parts_layout
-from ..core.engine import Checkpointer
 from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..core.state import Codec, FileSpec
 from ..errors import CheckpointNotFoundError, FlashCkptError, LayoutMismatchError, missing_dependency
-from ._common import declare_resume, log_save, step_destination, verified_choice
+from ._common import broadcast_bytes, check_in, declare_resume, log_save, step_destination, verified_choice
 from .pipeline import ModelState, OptimizerState, as_stateful
 
 try:
@@ -112,7 +108,7 @@ def _join(folder: str, name: str) -> str:
     return f"{folder}/{name}" if folder else name
 
 
-class _SnapshotWriter(StorageWriter):
+class SnapshotWriter(StorageWriter):
     """A DCP storage writer that lays out each rank's ``.distcp`` file as ``files`` for the core.
 
     Call order (DCP): reset -> set_up_storage_writer -> prepare_local_plan -> (coordinator)
@@ -217,11 +213,11 @@ def dcp_files(
         signature = _signature(flat)
         if cached is not None and cached.signature == signature:
             files = _files_from_plan(cached, flat, state_dict, folder)
-    votes = _check_in("dcp_files", process_group, timeout_s, vote=[cached.generation if cached else -1,
-                                                                     files is not None])
+    votes = check_in("dcp_files", process_group, timeout_s, vote=[cached.generation if cached else -1,
+                                                                    files is not None])
     if files is not None and all(v == [cached.generation, True] for v in votes):
         return files
-    writer = _SnapshotWriter(folder)
+    writer = SnapshotWriter(folder)
     dcp.save(state_dict, storage_writer=writer, planner=planner or dcp.DefaultSavePlanner(),
              process_group=process_group)
     if planner is None:
@@ -390,7 +386,7 @@ def load(
     """
     ck = checkpointer
     group = ck.process_group
-    _check_in("load", group, timeout_s)
+    check_in("load", group, timeout_s)
     chosen = resolve_step(ck, step, prefer_memory=prefer_memory)
     if chosen is None:
         return None
@@ -399,7 +395,7 @@ def load(
     started = time.perf_counter()
     stateful = as_stateful(state)
     if source == "memory":
-        reader: StorageReader = _MemoryReader(ck, step, folder)
+        reader: StorageReader = MemoryReader(ck, step, folder)
     else:
         reader = _storage_reader(f"{ck.url}/{ck.layout.step_path(step)}" + (f"/{folder.strip('/')}" if folder else ""))
     _validate(stateful, reader.read_metadata(), strict, group, ck.world_size)
@@ -459,7 +455,7 @@ def _some(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-class _MemoryReader(StorageReader):
+class MemoryReader(StorageReader):
     """A DCP storage reader over the ranks' shared-memory snapshots of one step.
 
     Each rank reads the items of its own ``.distcp`` parts straight from its slot (no copy until
@@ -471,7 +467,7 @@ class _MemoryReader(StorageReader):
         super().__init__()
         self.ck = checkpointer
         self.folder = folder
-        snapshot = checkpointer._memory_snapshots().get(step)
+        snapshot = checkpointer.memory_snapshots().get(step)
         if snapshot is None:
             raise CheckpointNotFoundError(f"rank {checkpointer.rank} no longer holds step {step} in memory")
         slot, meta = snapshot
@@ -488,7 +484,7 @@ class _MemoryReader(StorageReader):
             elif fmeta["codec"] == Codec.PARTS.value:
                 parts = decode_from_slot(slot, meta["regions"], fmeta, copy=False)
                 self.parts[name] = {offset: part for part, (offset, _) in zip(parts, parts_layout(parts))}
-        raw_metadata = _broadcast_bytes(raw_metadata, checkpointer)
+        raw_metadata = broadcast_bytes(raw_metadata, checkpointer)
         if raw_metadata is None:
             raise CheckpointNotFoundError(f"the memory snapshot of step {step} holds no {_join(folder, METADATA_FILE)}")
         self.metadata: Metadata = pickle.loads(raw_metadata)
@@ -552,7 +548,7 @@ class _MemoryReader(StorageReader):
             if not items:
                 continue
             payload = self._encode(items) if owner == self.ck.rank else None
-            data = _broadcast_bytes(payload, self.ck, src=owner)
+            data = broadcast_bytes(payload, self.ck, src=owner)
             position = 0
             for path, offset, length in items:
                 if (path, offset) in mine:
@@ -577,61 +573,3 @@ class _MemoryReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
-
-
-# --- collectives -----------------------------------------------------------------------------
-
-
-def _broadcast_bytes(data: bytes | None, ck: Checkpointer, src: int = 0) -> bytes | None:
-    """``data`` of rank ``src`` (group rank) on every rank; ``None`` travels as ``None``."""
-    if ck.world_size == 1 or not dist.is_initialized():
-        return data
-    group = ck.process_group
-    device = collectives._collective_device(group)
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, global_src, group=group)
-    n = int(size.item())
-    if n < 0:
-        return None
-    if ck.rank == src:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        buffer = buffer.to(device)
-    else:
-        buffer = torch.empty(n, dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, global_src, group=group)
-    if ck.rank == src:
-        return data
-    buffer = buffer.cpu()
-    return ctypes.string_at(buffer.data_ptr(), n) if n else b""
-
-
-_calls: dict[str, int] = {}
-
-
-def _check_in(op: str, group: Any, timeout_s: float, vote: Any = None) -> list[Any]:
-    """Every rank's ``vote`` (JSON), in group rank order, through the job's store.
-
-    Fails within ``timeout_s`` naming the missing ranks, instead of hanging, when not every rank
-    calls ``op``.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [vote]
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    key = f"flashckpt/{op}/{'-'.join(map(str, ranks[:4]))}/{len(ranks)}"
-    _calls[key] = _calls.get(key, 0) + 1
-    base = f"{key}/{_calls[key]}"
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"{base}/{dist.get_rank()}", json.dumps(vote))
-    names = [f"{base}/{r}" for r in ranks]
-    try:  # the store answers as soon as the last rank's key is set: no polling delay
-        store.wait(names, datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # DistStoreError on a timeout
-        missing = [r for r, name in zip(ranks, names) if not store.check([name])]
-        if not missing:
-            raise
-        raise FlashCkptError(
-            f"{op} is collective but ranks {missing} did not call it within {timeout_s:.0f}s (rank "
-            f"{dist.get_rank()} did). Call it on every rank of the process group, at the same point."
-        ) from exc
-    return [json.loads(v) for v in store.multi_get(names)]

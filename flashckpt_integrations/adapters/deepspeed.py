@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ..config import CheckpointerConfig
 from ..core import collectives
-from ..core.engine import Checkpointer
+from ..core.checkpointer import Checkpointer
 from ..core.layout import Layout
 from ..core.results import PersistResult, SaveResult
 from ..core.state import Codec, FileSpec

@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.engine import Checkpointer
+from ..core.checkpointer import Checkpointer
 from ..core.results import SaveResult
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, LayoutMismatchError, missing_dependency
-from ._common import declare_resume, log_save, step_destination
-from .dcp import COLLECTIVE_TIMEOUT_S, DcpLoadResult, _check_in, resolve_step
+from ._common import check_in, declare_resume, log_save, step_destination
+from .dcp import COLLECTIVE_TIMEOUT_S, DcpLoadResult, resolve_step
 
 try:
     from torch.distributed.checkpoint.state_dict import (
@@ -62,13 +62,14 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def _is_fsdp1(model: nn.Module) -> bool:
+def is_fsdp1(model: nn.Module) -> bool:
+    """Whether ``model`` holds FSDP1 modules (``FullyShardedDataParallel``), not FSDP2 ones (``fully_shard``)."""
     return any(isinstance(m, FSDP) for m in model.modules())
 
 
-def _gather_full(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+def gather_full(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
     """The full model and optimizer state (FQN-keyed) on rank 0; empty dicts on the other ranks."""
-    if _is_fsdp1(model):
+    if is_fsdp1(model):
         # offload_to_cpu of parameters that already live on the CPU crashes (torch 2.13): offload only from devices
         offload = any(p.device.type != "cpu" for p in model.parameters())
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
@@ -118,7 +119,7 @@ def full_state_files(
     optimizer_file: str = OPTIMIZER_FILE,
 ) -> dict[str, FileSpec]:
     """Rank 0's files of the full state (``{}`` on other ranks), for ``Checkpointer.save(files=...)``. Collective."""
-    model_sd, optim_sd = _gather_full(model, optimizer)
+    model_sd, optim_sd = gather_full(model, optimizer)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         return {}
@@ -146,7 +147,7 @@ def save_full(
     Logs once (INFO) how long the whole call (gathering included) held training and where the step lands.
     """
     started = time.perf_counter()
-    _check_in("save_full", checkpointer.process_group, timeout_s)
+    check_in("save_full", checkpointer.process_group, timeout_s)
     files = full_state_files(model, optimizer, model_file=model_file, optimizer_file=optimizer_file)
     result = checkpointer.save(step, files=files, persist=persist)
     log_save(logger, checkpointer.rank, "FSDP save_full", result, step_destination(checkpointer, step),
@@ -167,7 +168,7 @@ def load_full(
 ) -> DcpLoadResult | None:
     """Load the newest full-state checkpoint (or ``step``) into the sharded ``model``/``optimizer`` (collective)."""
     ck = checkpointer
-    _check_in("load_full", ck.process_group, timeout_s)
+    check_in("load_full", ck.process_group, timeout_s)
     chosen = resolve_step(ck, step, prefer_memory=prefer_memory)
     if chosen is None:
         return None
@@ -199,7 +200,7 @@ def load_full(
 def _set_full(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict, optim_sd: dict) -> None:
     """Scatter rank 0's full state into the sharded model and optimizer on every rank."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
-    if _is_fsdp1(model):
+    if is_fsdp1(model):
         _set_full_fsdp1(model, optimizer, model_sd, optim_sd)
         return
     set_model_state_dict(model, model_sd, options=options)

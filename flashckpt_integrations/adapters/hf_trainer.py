@@ -55,46 +55,35 @@ checkpointing, with a warning.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import logging
 import os
-import shutil
 import signal
 import time
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import CheckpointerConfig
-from ..core.engine import Checkpointer
+from ..core.checkpointer import Checkpointer
 from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..core.retention import RetentionPolicy
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, missing_dependency
-from . import _hf_deepspeed, _hf_fsdp, _hf_subclass
-from ._common import (
-    files_written_by,
-    log_save,
-    newest_memory_step,
-    quiet_about,
-    share_from_rank0,
-    step_destination,
-    write_byte_files,
-)
+from . import _hf_deepspeed, _hf_files, _hf_fsdp, _hf_resume, _hf_subclass
+from ._common import log_save, share_from_rank0, step_destination
+from ._hf_files import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, WEIGHTS_NAME
+from ._hf_resume import MemoryResume
 
 try:
-    import transformers
-    from transformers import PreTrainedModel, Trainer, TrainerCallback
+    from transformers import Trainer, TrainerCallback
     from transformers.trainer_pt_utils import reissue_pt_warnings
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise missing_dependency("transformers", "hf") from exc
@@ -104,20 +93,6 @@ from . import _hf_jit  # noqa: E402  (it needs transformers)
 logger = logging.getLogger(__name__)
 
 __all__ = ["FlashCkptTrainer", "FlashMemorySnapshotCallback"]
-
-# File names of a Trainer checkpoint (stable across transformers 4.x and 5.x).
-TRAINER_STATE_NAME = "trainer_state.json"
-OPTIMIZER_NAME = "optimizer.pt"
-SCHEDULER_NAME = "scheduler.pt"
-SCALER_NAME = "scaler.pt"
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-WEIGHTS_NAME = "pytorch_model.bin"
-WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
-MAX_SHARD_SIZE = "50GB"
-"""``save_pretrained``'s default, which ``Trainer`` uses: bigger models are split the same way."""
-
-_WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 
 
 class FlashMemorySnapshotCallback(TrainerCallback):
@@ -137,16 +112,7 @@ class FlashMemorySnapshotCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._trainer()
         if trainer is not None and state.global_step % self.interval == 0:
-            trainer._flash_memory_due = True
-
-
-@dataclass
-class _MemoryResume:
-    """A snapshot being resumed from memory: its step, the folder of its small files, its objects."""
-
-    step: int
-    path: str
-    files: dict[str, Any]
+            trainer.flash_request_memory_snapshot()
 
 
 class FlashCkptTrainer(Trainer):
@@ -194,10 +160,10 @@ class FlashCkptTrainer(Trainer):
         self._flash_memory_due = False
         self._flash_prepared = False
         self._flash_saved_step: int | None = None
-        self._flash_resume: _MemoryResume | None = None
+        self._flash_resume: MemoryResume | None = None
         self._flash_warned: set[str] = set()
         self._flash_attached: Any = None
-        self._flash_config_cache: dict[str, FileSpec] | None = None
+        self._flash_config_cache = _hf_files.ConfigFiles()
         self.flash_resumed_from: tuple[int, str] | None = None
         self.flash_last_save: SaveResult | None = None
         if flash_memory_interval is not None:
@@ -226,6 +192,12 @@ class FlashCkptTrainer(Trainer):
                 self._flash_checkpointer.attach_optimizer(_torch_optimizer(self.optimizer))
                 self._flash_attached = self.optimizer
         return self._flash_checkpointer
+
+    def flash_request_memory_snapshot(self) -> None:
+        """Take a memory-only snapshot of the current step once its logging and evaluation are done
+        (where ``Trainer`` saves); :class:`FlashMemorySnapshotCallback` asks for one this way. A step
+        that is also a save step is persisted instead."""
+        self._flash_memory_due = True
 
     def _flash_keep_last(self) -> int | None:
         limit = self.args.save_total_limit
@@ -263,7 +235,7 @@ class FlashCkptTrainer(Trainer):
 
     def _flash_unsupported(self) -> str | None:
         """Why the stock checkpointing must be used for this configuration, or None."""
-        model = self._flash_unwrapped()
+        model = _hf_files.unwrapped_model(self)
         fsdp = _hf_fsdp.unsupported(self) if self.is_fsdp_enabled else None  # FSDP: which state_dict_type
         reasons = [
             (getattr(self, "is_fsdp_xla_enabled", False), "FSDP on XLA"),
@@ -285,15 +257,6 @@ class FlashCkptTrainer(Trainer):
                                    "stock Trainer code (no shared memory, no background saving)", name)
                 return name
         return None
-
-    def _flash_unwrapped(self) -> Any:
-        model = self.model
-        if isinstance(model, PreTrainedModel):
-            return model
-        try:
-            return self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        except TypeError:  # older accelerate
-            return self.accelerator.unwrap_model(model)
 
     # --- saving ----------------------------------------------------------------------------
 
@@ -365,7 +328,7 @@ class FlashCkptTrainer(Trainer):
             self._flash_scope = None
             scope.close()
         if self.is_deepspeed_enabled:  # the engine's files and these, committed together
-            result = _hf_deepspeed.save(self, step, files, persist)
+            result = _hf_deepspeed.save(self, ck, step, files, persist)
         else:
             result = ck.save(step, files=files, persist=persist)
         self.flash_last_save = result
@@ -387,7 +350,7 @@ class FlashCkptTrainer(Trainer):
         """The files ``Trainer._save_checkpoint`` writes for ``step`` (only a persisted one updates the live state)."""
         should_save = self.args.should_save
         files: dict[str, Any] = self._flash_state_files(persist)
-        best_dir = self._flash_best_checkpoint(step, persist)
+        best_dir = _hf_files.best_checkpoint(self, step, persist)
         if not self.args.save_only_model:
             if should_save and (not self.is_deepspeed_enabled or _hf_deepspeed.saves_scheduler(self)):
                 with warnings.catch_warnings(record=True) as caught:
@@ -396,9 +359,9 @@ class FlashCkptTrainer(Trainer):
                 scaler = getattr(self.accelerator, "scaler", None)
                 if scaler is not None:
                     files[SCALER_NAME] = FileSpec(scaler.state_dict())
-            files.update(self._flash_small_files(self._save_rng_state))
+            files.update(_hf_files.small_files(self._save_rng_state))
         if should_save:
-            files[TRAINER_STATE_NAME] = FileSpec(self._flash_trainer_state(persist, best_dir), Codec.BYTES)
+            files[TRAINER_STATE_NAME] = FileSpec(_hf_files.trainer_state_file(self, persist, best_dir), Codec.BYTES)
         return files
 
     def _flash_prepare(self) -> None:
@@ -418,107 +381,21 @@ class FlashCkptTrainer(Trainer):
     def _flash_state_files(self, persist: bool) -> dict[str, FileSpec]:
         """The model and optimizer files of a snapshot, and with ``persist`` what ``Trainer._save`` writes."""
         if self.is_fsdp_enabled:  # collective: every rank's shards, or the full state gathered to rank 0
-            return _hf_fsdp.state_files(self, persist)
+            return _hf_fsdp.state_files(self, self.flash_checkpointer, persist, self._flash_config_files)
         if self.is_deepspeed_enabled:  # the optimizer (and ZeRO model) states come with the engine's files
-            return _hf_deepspeed.state_files(self, persist)
+            return _hf_deepspeed.state_files(self, persist, self._flash_config_files)
         files: dict[str, FileSpec] = {}
         if self.args.should_save:
-            files.update(self._flash_model_files())
+            files.update(_hf_files.weight_files(self))
             files.update(self._flash_config_files(refresh=persist))
             if not self.args.save_only_model:
                 files[OPTIMIZER_NAME] = FileSpec(self.optimizer.state_dict())
         return files
 
-    def _flash_model_files(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, FileSpec]:
-        """The weight files ``save_pretrained`` (or ``Trainer._save``) writes, of ``state_dict`` (a full state
-        dict) or as views of the live tensors."""
-        model = self._flash_unwrapped()
-        if isinstance(model, PreTrainedModel):
-            state_dict = model.state_dict() if state_dict is None else dict(state_dict)
-            for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
-                state_dict.pop(key, None)
-            state_dict = _without_tied_weights(state_dict, model)
-        else:
-            state_dict = dict(self.model.state_dict() if state_dict is None else state_dict)
-        if not getattr(self.args, "save_safetensors", True):  # transformers 4.x option
-            return {WEIGHTS_NAME: FileSpec(state_dict)}
-        metadata = {"format": "pt"}
-        shards = _split_into_shards(state_dict)
-        if shards is None:
-            return {SAFE_WEIGHTS_NAME: FileSpec(state_dict, Codec.SAFETENSORS, metadata=metadata)}
-        files, index = shards
-        out = {name: FileSpec(part, Codec.SAFETENSORS, metadata=metadata) for name, part in files.items()}
-        if isinstance(model, PreTrainedModel):
-            index["metadata"] = {"total_parameters": model.num_parameters(), **index["metadata"]}
-        out[SAFE_WEIGHTS_INDEX_NAME] = FileSpec((json.dumps(index, indent=2, sort_keys=True) + "\n").encode(),
-                                                Codec.BYTES)
-        return out
-
-    def _save_quietly(self, directory: str) -> None:
-        """``Trainer._save`` without the weights: config, generation config, tokenizer, training args.
-
-        Its "Saving model checkpoint to <directory>" would name a scratch folder: it is left out.
-        """
-        bars = transformers.utils.logging.is_progress_bar_enabled()
-        transformers.utils.logging.disable_progress_bar()
-        loggers = [name for name in list(logging.Logger.manager.loggerDict)
-                   if name == "transformers" or name.startswith("transformers.")]
-        try:
-            with quiet_about(directory, loggers):
-                self._save(directory, state_dict={})
-        finally:
-            if bars:
-                transformers.utils.logging.enable_progress_bar()
-
     def _flash_config_files(self, refresh: bool) -> dict[str, FileSpec]:
-        """What ``Trainer._save`` writes besides the weights: config, generation config, tokenizer,
-        training args.
-
-        A persisting save (``refresh``) writes them afresh; a memory-only snapshot carries the last
-        ones (they do not change while training), so that a snapshot persisted from memory (after a
-        crash or on SIGTERM) is a checkpoint ``from_pretrained`` and a stock resume read.
-        """
-        if refresh or self._flash_config_cache is None:
-            self._flash_config_cache = self._flash_small_files(self._save_quietly)
-        return dict(self._flash_config_cache)
-
-    @staticmethod
-    def _flash_small_files(write: Any) -> dict[str, FileSpec]:
-        """Let the stock code ``write(directory)`` its small files; return them as byte files."""
-        # dummy weights of state_dict={} are skipped: the real ones come from memory
-        return files_written_by(write, skip=lambda rel: rel in _WEIGHT_FILES)
-
-    def _flash_best_checkpoint(self, step: int, persist: bool) -> str | None:
-        """``best_model_checkpoint`` as ``_save_checkpoint`` sets it (the folder exists once committed)."""
-        best = self.state.best_model_checkpoint
-        strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
-        if strategy in ("steps", "epoch", "best") and self.state.best_global_step:
-            best_dir = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if (persist and self.state.best_global_step == step) or os.path.exists(best_dir):
-                best = best_dir
-                if persist:
-                    self.state.best_model_checkpoint = best_dir
-        return best
-
-    def _flash_trainer_state(self, persist: bool, best_model_checkpoint: str | None) -> bytes:
-        """``trainer_state.json`` byte for byte as ``TrainerState.save_to_json`` writes it.
-
-        A persisted save updates the live state's callback states as ``_save_checkpoint`` does; a
-        memory snapshot records the same content without touching the live state.
-        """
-        stateful = self.state.stateful_callbacks if persist else copy.deepcopy(self.state.stateful_callbacks)
-        exportable = _exportable_state_class()
-        if exportable is not None:
-            for cb in [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, exportable)]:
-                name = cb.__class__.__name__
-                if isinstance(stateful.get(name), list):
-                    stateful[name].append(cb.state())
-                else:
-                    stateful[name] = cb.state()
-        data = dataclasses.asdict(self.state)
-        data["stateful_callbacks"] = copy.deepcopy(stateful)
-        data["best_model_checkpoint"] = best_model_checkpoint
-        return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+        """What ``Trainer._save`` writes besides the weights (config, generation config, tokenizer, training
+        args): written afresh with ``refresh`` (a persisting save), else the last ones (see ``ConfigFiles``)."""
+        return self._flash_config_cache.get(self._save, refresh)
 
     # --- resuming --------------------------------------------------------------------------
 
@@ -529,18 +406,19 @@ class FlashCkptTrainer(Trainer):
         ignore_keys_for_eval: list[str] | None = None,
         **kwargs: Any,
     ) -> Any:
-        resume_from_checkpoint = _resume_flag(resume_from_checkpoint)
+        resume_from_checkpoint = _hf_resume.resume_flag(resume_from_checkpoint)
         self.flash_resumed_from = None
         self._flash_memory_due, self._flash_saved_step, self._flash_prepared = False, None, False
         flash = trial is None and self._flash_unsupported() is None
         if flash:
             ck = self.flash_checkpointer
             if resume_from_checkpoint is True:
-                resume_from_checkpoint = self._flash_resolve_resume(ck)
+                resume_from_checkpoint, self._flash_resume, self.flash_resumed_from = _hf_resume.resume_latest(
+                    ck, self.args, lambda step: self._flash_memory_files(ck, step))
             elif resume_from_checkpoint is None:
-                self._flash_start_from_scratch(ck)
+                _hf_resume.start_from_scratch(ck, self.args)
             else:
-                self._flash_resume_from_path(ck, resume_from_checkpoint)
+                _hf_resume.resume_from_path(ck, self.args, resume_from_checkpoint)
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -551,65 +429,6 @@ class FlashCkptTrainer(Trainer):
             self._flash_drop_resume()
         self._flash_finish()
         return output
-
-    def _flash_resolve_resume(self, ck: Checkpointer) -> str | bool:
-        """The checkpoint ``resume_from_checkpoint=True`` means: memory snapshot, else newest commit."""
-        step = newest_memory_step(ck)
-        if step is not None:
-            files = self._flash_memory_files(ck, step)
-            if TRAINER_STATE_NAME not in files:
-                raise FlashCkptError(
-                    f"the shared-memory snapshot of step {step} holds no {TRAINER_STATE_NAME}; it was not taken "
-                    "by FlashCkptTrainer. Remove it with `flashckpt clean <output_dir>` or pass a checkpoint path."
-                )
-            # trainer_state.json, rng_state*.pth, config.json, ...: read by the stock resume code
-            path = write_byte_files(files, prefix=f"flashckpt-memory-{PREFIX_CHECKPOINT_DIR}-{step}-")
-            self._flash_resume = _MemoryResume(step, path, files)
-            ck.start_attempt(step, from_memory=True)  # (FSDP's and DeepSpeed's files come without ck.load)
-            self.flash_resumed_from = (step, "memory")
-            logger.warning("flashckpt: resuming from the shared-memory snapshot of step %d", step)
-            return path
-        committed = ck.committed_steps()
-        if committed:
-            ck.start_attempt(committed[-1])  # this run continues the one that committed it
-            self.flash_resumed_from = (committed[-1], "storage")
-            logger.warning("flashckpt: resuming from committed checkpoint %d", committed[-1])
-            return os.path.join(self.args.output_dir, ck.layout.step_path(committed[-1]))
-        ck.start_attempt(None)
-        if os.path.isdir(self.args.output_dir) and get_last_checkpoint(self.args.output_dir) is not None:
-            return True  # a checkpoint written by a plain Trainer: the stock lookup finds it
-        logger.warning("flashckpt: no snapshot in memory and no checkpoint in %s; training starts from scratch",
-                       self.args.output_dir)
-        return None
-
-    def _flash_start_from_scratch(self, ck: Checkpointer) -> None:
-        """``resume_from_checkpoint=None``: a new run in ``output_dir``; say what of an earlier run it leaves."""
-        memory = newest_memory_step(ck)  # collective
-        committed = ck.committed_steps()
-        if self.args.should_save and (memory is not None or committed):
-            held = ([f"a shared-memory snapshot of step {memory}"] if memory is not None else []) + (
-                [f"committed checkpoints of steps {committed}"] if committed else [])
-            logger.warning(
-                "flashckpt: %s holds %s from an earlier run, and training starts from scratch "
-                "(resume_from_checkpoint=None): they are not resumed, and saves of the same steps replace them. "
-                "To resume instead, pass resume_from_checkpoint=True (--resume_from_checkpoint True).",
-                self.args.output_dir, " and ".join(held))
-        ck.start_attempt(None)
-
-    def _flash_resume_from_path(self, ck: Checkpointer, path: str) -> None:
-        """An explicit checkpoint path: resumed by the stock code; say so when memory holds a newer snapshot."""
-        step = _checkpoint_step(path)
-        memory = newest_memory_step(ck)  # collective
-        if self.args.should_save and memory is not None and (step is None or memory > step):
-            logger.warning(
-                "flashckpt: resuming from %s as asked, although shared memory holds a complete snapshot of the "
-                "newer step %d; it is not used. To resume from it, pass resume_from_checkpoint=True "
-                "(--resume_from_checkpoint True).", path, memory)
-        inside = os.path.normpath(os.path.dirname(os.path.normpath(path))) == os.path.normpath(self.args.output_dir)
-        try:
-            ck.start_attempt(step if inside and step is not None else None)
-        except FlashCkptError:  # not one of ours (e.g. written by a plain Trainer): a run of its own
-            ck.start_attempt(None)
 
     def _flash_memory_files(self, ck: Checkpointer, step: int) -> dict[str, Any]:
         """The files of the memory snapshot of ``step``; rank 0's on every rank, except each rank's own (collective)."""
@@ -629,20 +448,28 @@ class FlashCkptTrainer(Trainer):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         # The DeepSpeed engine exists once the stock preparation has run; resume through the flash engine.
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
-        _hf_deepspeed.enable(self)
+        ck = self.flash_checkpointer
+        _hf_deepspeed.enable(self, ck)
         if resume_from_checkpoint is not None:
-            _hf_deepspeed.resume(self, resume_from_checkpoint, strict=not _is_peft(self.model))
+            _hf_deepspeed.resume(self, ck, resume_from_checkpoint, self._flash_memory_for(resume_from_checkpoint),
+                                 strict=not _is_peft(self.model))
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
         return model, train_dataloader
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+    def _flash_memory_for(self, checkpoint: str | None) -> MemoryResume | None:
+        """The snapshot resumed from memory when ``checkpoint`` is the folder of its small files, else None
+        (a folder that the stock code reads)."""
         memory = self._flash_resume
-        if memory is None or resume_from_checkpoint != memory.path:
+        return memory if memory is not None and checkpoint == memory.path else None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        memory = self._flash_memory_for(resume_from_checkpoint)
+        if memory is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = self.model if model is None else model
         if self.is_fsdp_enabled:  # collective: shards from every rank's slot, or rank 0's full state
-            return _hf_fsdp.load_model(self, model, memory)
+            return _hf_fsdp.load_model(self, self.flash_checkpointer, model, memory)
         names = [n for n in memory.files if n == WEIGHTS_NAME or (n.startswith("model") and n.endswith(".safetensors"))]
         if any(_is_bytes(memory.files[n]) for n in names):  # written by a subclass itself: in the folder
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -656,8 +483,8 @@ class FlashCkptTrainer(Trainer):
         self._issue_warnings_after_load(load_result)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        memory = self._flash_resume
-        if memory is None or checkpoint != memory.path:
+        memory = self._flash_memory_for(checkpoint)
+        if memory is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         if self.is_deepspeed_enabled:  # (the stock part would read scheduler.pt, which stays in memory)
             return _hf_deepspeed.load_scheduler(self, memory)
@@ -667,12 +494,12 @@ class FlashCkptTrainer(Trainer):
         # optimizer or scheduler file there (they come from memory) and loads nothing.
         super()._load_optimizer_and_scheduler(checkpoint)
 
-    def _flash_load_optimizer_and_scheduler(self, memory: _MemoryResume) -> None:
+    def _flash_load_optimizer_and_scheduler(self, memory: MemoryResume) -> None:
         optimizer, scheduler = memory.files.pop(OPTIMIZER_NAME, None), memory.files.pop(SCHEDULER_NAME, None)
         if scheduler is None or (optimizer is None and not self.is_fsdp_enabled):
             return  # save_only_model: as the stock code, load neither
         if self.is_fsdp_enabled:  # collective: shards from every rank's slot, or rank 0's full state
-            _hf_fsdp.load_optimizer(self, memory)
+            _hf_fsdp.load_optimizer(self, self.flash_checkpointer, memory)
         else:
             self.optimizer.load_state_dict(optimizer)
         with warnings.catch_warnings(record=True) as caught:
@@ -680,8 +507,8 @@ class FlashCkptTrainer(Trainer):
         reissue_pt_warnings(caught)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        memory = self._flash_resume
-        if memory is not None and checkpoint == memory.path and not _is_bytes(memory.files.get(SCALER_NAME)):
+        memory = self._flash_memory_for(checkpoint)
+        if memory is not None and not _is_bytes(memory.files.get(SCALER_NAME)):
             scaler = memory.files.pop(SCALER_NAME, None)
             if scaler is not None and getattr(self.accelerator, "scaler", None) is not None:
                 self.accelerator.scaler.load_state_dict(scaler)
@@ -696,7 +523,7 @@ class FlashCkptTrainer(Trainer):
 
     def _flash_drop_resume(self) -> None:
         if self._flash_resume is not None:
-            shutil.rmtree(self._flash_resume.path, ignore_errors=True)
+            self._flash_resume.close()
             self._flash_resume = None
 
     def _flash_finish(self) -> None:
@@ -724,29 +551,6 @@ class FlashCkptTrainer(Trainer):
 # --- helpers -------------------------------------------------------------------------------
 
 
-_RESUME_LATEST = {"true", "latest", "yes", "1"}
-_RESUME_NONE = {"false", "none", "no", "0", ""}
-
-
-def _resume_flag(value: Any) -> Any:
-    """``resume_from_checkpoint`` as a command line gives it: ``"True"``/``"latest"`` mean True."""
-    if value is False:
-        return None
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _RESUME_LATEST:
-            return True
-        if word in _RESUME_NONE:
-            return None
-    return value
-
-
-def _checkpoint_step(path: str) -> int | None:
-    """The step in a ``checkpoint-<N>`` path, or None."""
-    tail = os.path.basename(os.path.normpath(path)).rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else None
-
-
 def _is_bytes(obj: Any) -> bool:
     """A file of a memory snapshot held as its bytes (laid out in the resume folder for the stock loaders)."""
     return isinstance(obj, (bytes, bytearray))
@@ -765,56 +569,6 @@ def _is_peft(model: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return bool(_is_peft_model(model))
-
-
-def _exportable_state_class() -> type | None:
-    try:
-        from transformers.trainer_callback import ExportableState
-    except ImportError:  # pragma: no cover - transformers < 4.41 has no stateful callbacks
-        return None
-    return ExportableState
-
-
-def _without_tied_weights(state_dict: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
-    """Drop tied duplicates as ``save_pretrained`` does (safetensors stores no aliases)."""
-    try:
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:
-        remove_tied_weights_from_state_dict = None
-    if remove_tied_weights_from_state_dict is not None:
-        state_dict = remove_tied_weights_from_state_dict(state_dict, model)
-        try:
-            from transformers.core_model_loading import revert_weight_conversion
-        except ImportError:
-            return state_dict
-        return revert_weight_conversion(model, state_dict)
-    # transformers 4.x: keep the first name of each group of tensors sharing memory, preferring
-    # names that are not declared tied (the ones from_pretrained ties back)
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())
-    groups: dict[tuple[Any, int, int], list[str]] = {}
-    for name, tensor in state_dict.items():
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        groups.setdefault(key, []).append(name)
-    out = dict(state_dict)
-    for names in groups.values():
-        if len(names) > 1:
-            keep = sorted(names, key=lambda n: (any(n.endswith(t) for t in tied), n))[0]
-            for name in names:
-                if name != keep:
-                    del out[name]
-    return out
-
-
-def _split_into_shards(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, dict], dict] | None:
-    """Shards and index as ``save_pretrained`` makes them; None when the model fits one file."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    split = split_torch_state_dict_into_shards(state_dict, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=MAX_SHARD_SIZE)
-    if not split.is_sharded:
-        return None
-    files = {name: {k: state_dict[k] for k in keys} for name, keys in split.filename_to_tensors.items()}
-    return files, {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
 
 
 def _spans_nodes(world_size: int) -> bool:

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from ..config import CheckpointerConfig
-from ..core.engine import Checkpointer
+from ..core.checkpointer import Checkpointer
 from ..core.layout import Layout
 from ..core.results import PersistResult, SaveResult
 from ..core.state import Codec, FileSpec
@@ -79,6 +79,8 @@ from ._transfer import exchange, gloo_group
 try:
     from megatron.core import mpu
     from megatron.core import package_info as _package_info
+    from megatron.core.dist_checkpointing import serialization as _serialization
+    from megatron.core.dist_checkpointing.strategies import torch as _torch_strategies
     from megatron.core.optimizer import distrib_optimizer as _distrib_optimizer
     from megatron.training import checkpointing as _checkpointing
     from megatron.training import initialize as _initialize
@@ -344,7 +346,7 @@ class MegatronFlash:
         this run's format with its parallel sizes, and at least as new as the newest commit; else None."""
         matching, other = [], {}
         ck.recover_replicas()  # a rank whose node lost its memory fetches the iteration from a peer's replica
-        for step, (_, meta) in ck._memory_snapshots().items():
+        for step, (_, meta) in ck.memory_snapshots().items():
             saved = meta.get("user", {}).get("megatron")
             if saved == sizes:
                 matching.append(step)
@@ -526,8 +528,8 @@ def _check_version() -> None:
         "save_checkpoint", "load_checkpoint", "get_checkpoint_name", "_get_checkpoint_format",
         "get_checkpoint_tracker_filename", "ensure_directory_exists", "find_checkpoint_rank_0",
         "TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy")]
-    needed += [(_initialize, "init_persistent_async_worker"), (_dist._serialization, "_get_filesystem_reader"),
-               (_dist._torch_strategies, "_get_filesystem_reader")]
+    needed += [(_initialize, "init_persistent_async_worker"), (_serialization, "_get_filesystem_reader"),
+               (_torch_strategies, "_get_filesystem_reader")]
     for module, name in needed:
         if not callable(getattr(module, name, None)):
             raise FlashCkptError(f"{module.__name__} has no {name}(); this Megatron-LM build is not one the patch "

@@ -49,16 +49,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as torch_dcp
 
 from ..config import CheckpointerConfig
+from ..core.checkpointer import Checkpointer
 from ..core.codecs import decode_from_slot, parts_layout
-from ..core.engine import Checkpointer
 from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..core.state import Codec, FileSpec
 from ..errors import CheckpointNotFoundError, FlashCkptError, missing_dependency
 from . import dcp as flash_dcp
-from ._common import declare_resume, log_save
+from ._common import broadcast_bytes, check_in, declare_resume, log_save
 
 try:
     from megatron.core.dist_checkpointing import serialization as _serialization
@@ -202,8 +203,8 @@ def snapshot_files(sharded_state_dict: Any, *, process_group: Any = None,
     signature = _signature(state)
     parts = cached.parts(state) if cached is not None and cached.signature == signature else None
     layout = parts_layout(parts) if parts is not None else None
-    votes = flash_dcp._check_in("megatron_snapshot_files", process_group, flash_dcp.COLLECTIVE_TIMEOUT_S,
-                                vote=[cached.generation if cached else -1, layout])
+    votes = check_in("megatron_snapshot_files", process_group, flash_dcp.COLLECTIVE_TIMEOUT_S,
+                     vote=[cached.generation if cached else -1, layout])
     if parts is not None and all(v[0] == cached.generation and v[1] is not None for v in votes):
         files = {cached.name: FileSpec(parts, Codec.PARTS)}
         if cached.metadata is not None:
@@ -211,9 +212,9 @@ def snapshot_files(sharded_state_dict: Any, *, process_group: Any = None,
         return files
     planner = MCoreSavePlanner(dedup_replicated_tensors=not keep_only_main_replica,
                                flatten_state_dict=False, flatten_sharded_tensors=False)
-    writer = flash_dcp._SnapshotWriter()
-    flash_dcp.dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner,
-                       process_group=process_group)
+    writer = flash_dcp.SnapshotWriter()
+    torch_dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner,
+                   process_group=process_group)
     _plans[key] = _Plan.of(max(v[0] for v in votes) + 1, signature, state, writer)
     return writer.files
 
@@ -328,7 +329,7 @@ class PlanningSaveStrategy(TorchDistSaveShardedStrategy):
                              "call dist_checkpointing.save without async_sharded_save")
 
 
-class SnapshotReader(flash_dcp._MemoryReader):
+class SnapshotReader(flash_dcp.MemoryReader):
     """A DCP storage reader over the ranks' memory snapshots of one ``torch_dist`` checkpoint.
 
     Collective to make (rank 0's ``.metadata`` and ``metadata.json`` go to every rank). Reading is
@@ -338,10 +339,10 @@ class SnapshotReader(flash_dcp._MemoryReader):
 
     def __init__(self, checkpointer: Checkpointer, step: int) -> None:
         super().__init__(checkpointer, step, "")
-        slot, meta = checkpointer._memory_snapshots()[step]
+        slot, meta = checkpointer.memory_snapshots()[step]
         config = next((decode_from_slot(slot, meta["regions"], f) for f in meta["files"]
                        if f["path"] == CONFIG_FILE), None)
-        self.config: bytes | None = flash_dcp._broadcast_bytes(config, checkpointer)
+        self.config: bytes | None = broadcast_bytes(config, checkpointer)
         if self.config is None:
             raise CheckpointNotFoundError(f"the memory snapshot of step {step} holds no {CONFIG_FILE}")
 

@@ -4,15 +4,17 @@ Public names are re-exported from the package root; import submodules for the re
 
 Where each module runs:
 
-- the training process: ``engine`` (``Checkpointer``: save), ``loading`` (its load path),
-  ``state`` (plans and copies), ``restore``, ``codecs`` (reading files back), ``direct`` (a save
-  straight to storage when /dev/shm is too small), ``replica_restore`` (the rank's side of peer
-  replicas), ``client`` (the socket to the saver), ``collectives``; ``rescue`` runs in the CLI
-  and the launcher (``flashckpt persist``);
+- the training process: ``checkpointer`` (a package: ``Checkpointer`` and its parts, the rank's
+  ``slots``, its ``attempt``, persist ``requests``, the ``saving`` and ``loading`` paths and
+  ``direct``, a save straight to storage when /dev/shm is too small; ``engine`` is its old import
+  path), ``state`` (plans and copies), ``restore``, ``codecs`` (reading files back),
+  ``replication.rank`` (the rank's side of peer replicas), ``client`` (the socket to the saver),
+  ``collectives``; ``rescue`` runs in the CLI and the launcher (``flashckpt persist``);
 - the saver process (``python -m flashckpt_integrations.core.saver``, no torch): ``saver`` (the
   process: socket, ops, recovery, exit), ``preemption`` (what it does on SIGTERM),
-  ``replication``, ``replica_rounds``, ``replica_reuse``, ``peers``;
+  ``replication`` (peer replicas, a package; the CLI and ``rescue`` read its replica slots too);
 - both: ``persister`` (persist, commit, retention), ``commit``, ``lineage``, ``layout``,
-  ``storage``, ``writing``, ``torchzip``, ``shm_buffer`` (``Slot``), ``replica_slots``,
-  ``verify``, ``retention``, ``protocol``, ``results``.
+  ``storage``, ``writing``, ``torchzip``, ``shm_buffer`` (``Slot``), ``verify``, ``retention``,
+  ``protocol`` (names, and the table of every operation on the two wires: ``TRAINER_OPS``,
+  ``PEER_OPS``), ``results``.
 """

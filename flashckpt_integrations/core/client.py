@@ -26,7 +26,7 @@ from typing import Any
 from .. import knobs
 from .._utils.locks import lock_held, same_file
 from ..errors import SaverProcessError
-from .protocol import LOCK_NAME, LOG_NAME, SLOTS_FILE, SOCKET_NAME, SPAWN_LOCK_NAME
+from .protocol import LOCK_NAME, LOG_NAME, SLOTS_FILE, SOCKET_NAME, SPAWN_LOCK_NAME, TrainerOp
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class SaverClient:
         reader.start()
         self._reader = reader  # started before it is seen: close() may run meanwhile (at exit) and join it
         try:
-            reply = self.request({**self.hello, "op": "hello", "rank": self.rank,
+            reply = self.request({**self.hello, "op": TrainerOp.HELLO, "rank": self.rank,
                                   "pid": os.getpid()}).result(self.start_timeout)
         except Exception:
             self._disconnect()
@@ -293,7 +293,7 @@ class SaverClient:
         if self._sock is None:
             return
         with contextlib.suppress(Exception):
-            self.request({"op": "close", "rank": self.rank, "clean": clean}).result(10)
+            self.request({"op": TrainerOp.CLOSE, "rank": self.rank, "clean": clean}).result(10)
         self._disconnect()
         if self._reader is not None:
             self._reader.join(timeout=5)

@@ -10,16 +10,16 @@ import torch
 import torch.distributed as dist
 
 
-def _initialized() -> bool:
+def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def rank_and_world(rank: int | None, world_size: int | None, group: Any = None) -> tuple[int, int]:
     """This process's rank and the job's size: given, else torch.distributed, else env."""
     if rank is None:
-        rank = dist.get_rank(group) if _initialized() else int(os.environ.get("RANK", "0"))
+        rank = dist.get_rank(group) if initialized() else int(os.environ.get("RANK", "0"))
     if world_size is None:
-        world_size = dist.get_world_size(group) if _initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = dist.get_world_size(group) if initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size} ranks")
     return rank, world_size
@@ -31,14 +31,14 @@ def all_gather_object(obj: Any, world_size: int, group: Any = None) -> list[Any]
     Goes through uint8 tensors (not torch's pickle-based object collectives), so it needs
     neither numpy nor unpickling.
     """
-    if world_size == 1 or not _initialized():
+    if world_size == 1 or not initialized():
         if world_size != 1:
             raise RuntimeError(
                 f"this job has {world_size} ranks but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group() before loading, so the ranks can agree"
             )
         return [obj]
-    device = _collective_device(group)
+    device = collective_device(group)
     payload = json.dumps(obj).encode()
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world_size)]
@@ -53,7 +53,7 @@ def all_gather_object(obj: Any, world_size: int, group: Any = None) -> list[Any]
     return [json.loads(bytes(t[: int(n.item())].cpu().tolist())) for t, n in zip(gathered, sizes)]
 
 
-def _collective_device(group: Any) -> torch.device:
+def collective_device(group: Any) -> torch.device:
     """CPU for gloo; the current accelerator for backends that need device tensors (nccl)."""
     backend = dist.get_backend(group)
     if backend == "gloo" or not torch.accelerator.is_available():

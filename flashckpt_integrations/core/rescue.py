@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import logging
 import os
 import re
@@ -46,9 +45,9 @@ from .layout import (
     failure_record,
 )
 from .persister import Persister
-from .protocol import SLOTS_FILE
-from .replica_slots import replica_paths, verify
-from .shm_buffer import Slot, SlotState, attach_complete
+from .protocol import read_slot_records
+from .replication import replica_paths, verify
+from .shm_buffer import Slot, SlotState, complete_snapshot
 from .storage import Storage, storage_from_url
 from .verify import TABLE_WAIT_S, check_slot
 
@@ -141,15 +140,8 @@ def _job_key(checkpoint_dir: str | os.PathLike, job_id: str | None) -> str:
 
 def run_dir_slots(run_dir: str) -> dict[int, list[str]]:
     """The slot files that the ranks of one node recorded in the saver's run directory, by rank."""
-    found: dict[int, list[str]] = {}
-    for record in glob.glob(os.path.join(run_dir, SLOTS_FILE.format(rank="*"))):
-        try:
-            with open(record) as f:
-                data = json.load(f)
-            found[int(data["rank"])] = [p for p in data["slots"] if os.path.exists(p)]
-        except (OSError, ValueError, KeyError) as exc:
-            logger.warning("ignoring unreadable slot record %s: %s", record, exc)
-    return found
+    return {rank: [p for p in paths if os.path.exists(p)]
+            for rank, paths in read_slot_records(run_dir, warn=True).items()}
 
 
 def read_snapshots(slots: Mapping[int, Sequence[str]]) -> tuple[dict[int, dict[int, Snapshot]], list[str]]:
@@ -172,14 +164,10 @@ def read_snapshots(slots: Mapping[int, Sequence[str]]) -> tuple[dict[int, dict[i
 
 
 def _read_slot(rank: int, path: str) -> Snapshot | None:
-    found = attach_complete(path)
-    if found is None:
-        return None
-    slot, header = found
-    try:
-        meta = slot.read_metadata(header)
-    finally:
-        slot.close()
+    with complete_snapshot(path) as found:
+        if found is None:
+            return None
+        _, header, meta = found
     if meta.get("rank") != rank:
         raise FlashCkptError(f"slot {path} holds a snapshot of rank {meta.get('rank')}, not {rank}")
     return Snapshot(rank, header.step, header.seq, path, meta)

@@ -36,10 +36,13 @@ class SaveResult:
     status: SaveStatus
     reason: str | None = None
     blocking_s: float = 0.0
-    _snapshot: Future | None = field(default=None, repr=False)
-    _durable: Future | None = field(default=None, repr=False)
-    """Resolves with the saver's answer once this rank's files are durable (or failed)."""
-    _poll_commit: Callable[[int, float | None], PersistResult] | None = field(default=None, repr=False)
+    sealed: Future | None = field(default=None, repr=False)
+    """Set by the checkpointer: resolves once the snapshot is copied and sealed (an overlapped
+    save's copy, a first save's seal after its attempt's record)."""
+    durable: Future | None = field(default=None, repr=False)
+    """Set by the checkpointer: resolves with the saver's answer once this rank's files are durable."""
+    poll_commit: Callable[[int, float | None], PersistResult] | None = field(default=None, repr=False)
+    """Set by the checkpointer: watches storage for the commit once the files are durable."""
     _outcome: PersistResult | None = field(default=None, repr=False)
 
     @property
@@ -57,18 +60,22 @@ class SaveResult:
         if not self.ok:
             return PersistResult(self.step, False, self.reason)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._snapshot is not None:
-            self._snapshot.result(timeout)
+        if self.sealed is not None:
+            self.sealed.result(timeout)
             if not self.ok:  # the overlapped copy failed: ``status``/``reason`` say so now
                 return PersistResult(self.step, False, self.reason)
-        if self._durable is None:
+        if self.durable is None:
             return PersistResult(self.step, False, None)
-        answer = self._durable.result(_remaining(deadline))
+        answer = self.durable.result(_remaining(deadline))
         if answer.get("ok"):
-            self._outcome = self._poll_commit(self.step, _remaining(deadline))
+            self._outcome = self.poll_commit(self.step, _remaining(deadline))
         else:
             self._outcome = PersistResult(self.step, False, answer.get("error"))
         return self._outcome
+
+    def durable_done(self) -> bool:
+        """Whether this rank's files are durable (or failed): nothing is left to wait for here."""
+        return self.durable is None or self.durable.done()
 
 
 def _remaining(deadline: float | None) -> float | None:

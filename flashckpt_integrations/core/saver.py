@@ -46,7 +46,7 @@ from . import commit as commit_protocol
 from . import preemption, verify
 from .layout import Layout, marker_name, read_json
 from .persister import Persister
-from .protocol import LOCK_NAME, LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME
+from .protocol import LOCK_NAME, LOG_NAME, SOCKET_NAME, SPAWN_LOCK_NAME, TrainerOp
 from .replication import Replication
 from .rescue import run_dir_slots
 from .shm_buffer import Slot, SlotState
@@ -243,7 +243,7 @@ class Saver:
                     logger.warning("rank %s asked to persist step %s and did not see it through (it died, or "
                                    "this saver was not up yet); persisting it now", request.get("rank"),
                                    request.get("step"))
-                    self._submit(None, {**request, "op": "persist", "id": None, "recovered": True})
+                    self._submit(None, {**request, "op": TrainerOp.PERSIST, "id": None, "recovered": True})
                 elif int(request["rank"]) == 0:  # persisted; the commit may have been cut short
                     self.recovered.add((path, int(request["seq"])))
                     with self.pending_lock:
@@ -290,7 +290,7 @@ class Saver:
 
     def _dispatch(self, conn: _Connection, op: str, request: dict[str, Any]) -> None:
         rid = request.get("id")
-        if op == "hello":
+        if op == TrainerOp.HELLO:
             conn.rank = int(request["rank"])
             conn.writer = dict(request.get("writer") or {})
             if conn.writer:
@@ -304,18 +304,18 @@ class Saver:
             self._sum_left_behind(conn.rank, functools.partial(verify.writer_gone, hello=conn.writer))
             self.recover(dead_only=True)
             conn.send({"id": rid, "ok": True, "pid": os.getpid(), "replica_pushes": self.replication.wants_pushes()})
-        elif op == "ping":
+        elif op == TrainerOp.PING:
             conn.send({"id": rid, "ok": True, "pid": os.getpid()})
-        elif op == "close":
+        elif op == TrainerOp.CLOSE:
             if request.get("clean"):
                 self.closed_clean.add(int(request["rank"]))
             conn.send({"id": rid, "ok": True})
-        elif op == "persist":
+        elif op == TrainerOp.PERSIST:
             self.unclaimed.discard((request.get("slot"), int(request.get("seq", -1))))
             self._submit(conn, request)
-        elif op.startswith("replica_"):
+        elif op in (TrainerOp.REPLICA_PUSH, TrainerOp.REPLICA_INVENTORY, TrainerOp.REPLICA_FETCH):
             self.replication.handle(conn, request)
-        elif op == "attach":
+        elif op == TrainerOp.ATTACH:
             # Map (and pre-fault) a new or grown slot now, so its first persist does not pay it.
             self._executor(int(request["rank"])).submit(self._attach_quietly, request["slot"])
             conn.send({"id": rid, "ok": True})

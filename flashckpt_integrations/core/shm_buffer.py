@@ -45,7 +45,7 @@ import struct
 import sys
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -444,6 +444,22 @@ def attach_complete(path: str) -> tuple[Slot, SlotHeader] | None:
         return None
     return slot, header
 
+
+
+@contextlib.contextmanager
+def complete_snapshot(path: str) -> Iterator[tuple[Slot, SlotHeader, dict[str, Any]] | None]:
+    """The complete snapshot in slot ``path`` for the length of a ``with`` block: ``(slot, header,
+    metadata)``, unmapped at its end; ``None`` when there is no slot or no complete snapshot.
+    Unreadable metadata raises :class:`CorruptCheckpointError` (nothing is left mapped)."""
+    found = attach_complete(path)
+    if found is None:
+        yield None
+        return
+    slot, header = found
+    try:
+        yield slot, header, slot.read_metadata(header)
+    finally:
+        slot.close()
 
 _MADV_POPULATE_WRITE = 23
 _FAULT_CHUNK = 4 << 20

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 from .._utils.cpus import affinity_cpus
 from .._utils.procs import pid_alive
 from ..errors import CorruptCheckpointError
-from .shm_buffer import Slot, SlotHeader, SlotState, attach_complete
+from .shm_buffer import Slot, SlotHeader, SlotState, complete_snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -404,26 +404,23 @@ def sum_left_behind(path: str, gone: Callable[[Any], bool]) -> bool:
     (``gone(meta["writer"])``; the saver, when a rank's connection drops or a rank's new process
     says hello); whether a table was written. A live writer's slot is never touched: it may be
     reusing it (a table written then would land in its new snapshot)."""
-    found = attach_complete(path)
-    if found is None:
-        return False
-    slot, header = found
     try:
-        meta = slot.read_metadata(header)
-        if not isinstance(meta.get("checksums"), dict) or not gone(meta.get("writer")):
-            return False
-        try:
-            read_table(slot, header, meta)
-            return False  # summed already
-        except UnverifiedSnapshotError:
-            pass
-        _sum_slot(slot, header.seq, lambda: False)
-        return True
+        with complete_snapshot(path) as found:
+            if found is None:
+                return False
+            slot, header, meta = found
+            if not isinstance(meta.get("checksums"), dict) or not gone(meta.get("writer")):
+                return False
+            try:
+                read_table(slot, header, meta)
+                return False  # summed already
+            except UnverifiedSnapshotError:
+                pass
+            _sum_slot(slot, header.seq, lambda: False)
+            return True
     except CorruptCheckpointError as exc:
         logger.warning("the snapshot in %s cannot be summed: %s", path, exc)
         return False
-    finally:
-        slot.close()
 
 
 def check_slot(path: str) -> dict[str, Any]:

@@ -102,7 +102,7 @@ def main() -> None:
         opt.load_state_dict(loaded.state["optim"])
         start = loaded.state["step"]
     record["load"] = {"step": loaded and loaded.step, "source": loaded and loaded.source,
-                      "fetched": ck._replicas.fetched, "seconds": time.perf_counter() - started,
+                      "fetched": ck.replicas.fetched, "seconds": time.perf_counter() - started,
                       "tiers": None if dcp or loaded is None else {str(r): t for r, t in loaded.tiers.items()}}
     flush()
     for step in range(start + 1, args.steps + 1):

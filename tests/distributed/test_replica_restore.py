@@ -27,8 +27,7 @@ import torch
 
 from flashckpt_integrations import cli
 from flashckpt_integrations.core.client import job_key, private_dir, run_dir_for
-from flashckpt_integrations.core.replica_slots import list_replicas
-from flashckpt_integrations.core.replication import STATUS_FILE
+from flashckpt_integrations.core.replication import STATUS_FILE, list_replicas
 from flashckpt_integrations.core.shm_buffer import Slot, SlotState
 from tests.distributed.launch import HERE, env, free_port, torchrun_cmd
 from tests.distributed.replica_worker import reference
@@ -149,7 +148,7 @@ def test_a_replaced_node_resumes_from_its_peers_memory(tmp_path, private_shm_dir
                 copies.append(sent_to(run_dirs[1], rank, 0))
                 assert copies[-1]["ok"], copies[-1]
             # (one rank's copy may go whole: a comparison that found nothing to reuse earlier in the run
-            # makes the next copies of that rank skip comparing, see replica_reuse.LocalCrcs)
+            # makes the next copies of that rank skip comparing, see replication.reuse.LocalCrcs)
             assert any(copy["sent"] < copy["bytes"] / 100 for copy in copies), copies
 
         capsys.readouterr()

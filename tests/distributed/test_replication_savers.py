@@ -18,10 +18,9 @@ import time
 import pytest
 
 from flashckpt_integrations import cli
-from flashckpt_integrations.core import peers
 from flashckpt_integrations.core.client import SaverClient, job_key, private_dir, run_dir_for
 from flashckpt_integrations.core.protocol import LOG_NAME, SOCKET_NAME
-from flashckpt_integrations.core.replica_slots import CHUNK, list_replicas, replica_path
+from flashckpt_integrations.core.replication import CHUNK, list_replicas, peers, replica_path
 from flashckpt_integrations.core.shm_buffer import HEADER_SIZE, Slot, SlotState
 from flashckpt_integrations.core.state import align
 from tests.distributed.launch import REPO

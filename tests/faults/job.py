@@ -124,7 +124,7 @@ def main() -> None:
     ck = Checkpointer(args.ckpt, optimizers=[optimizer], retention=RetentionPolicy(keep_last=KEEP_LAST),
                       commit_timeout_s=args.commit_timeout)
     if args.fault:  # once the node's saver is started (with the knob) or found, drop it
-        while not (os.path.exists(os.path.join(ck.run_dir, "saver.log")) or ck._client.connected):
+        while not (os.path.exists(os.path.join(ck.run_dir, "saver.log")) or ck.client.connected):
             time.sleep(0.005)
         os.environ.pop("FLASHCKPT_FAULT")
     started = time.monotonic()

@@ -34,7 +34,7 @@ def test_device_tensors_round_trip_and_come_back_on_their_device(make_checkpoint
              "cpu": torch.ones(3)}
     ck = make_checkpointer()
     ck.prepare(state)  # registers both slots here, ahead of the first save
-    assert all(slot._pinned for slot in ck._slots[:len(ck.slot_paths)])
+    assert all(slot._pinned for slot in map(ck.slots.mapped, range(ck.slots.count)))
     assert ck.save(1, state).wait(120).committed
     for prefer_memory in (True, False):
         loaded = ck.load(prefer_memory=prefer_memory).state
@@ -162,7 +162,7 @@ def test_restore_after_a_restart_pins_the_reattached_slot(make_checkpointer, tmp
     state = {"w": torch.randn(4 << 20, device="cuda")}
     ck = make_checkpointer(tmp_path / "ckpt", job_id="gpu-reattach")
     assert ck.save(1, state, persist=False).ok
-    ck._shutdown(clean=False)  # as a crash would: the slots stay
+    ck.shutdown(clean=False)  # as a crash would: the slots stay
     again = make_checkpointer(tmp_path / "ckpt", job_id="gpu-reattach")
     assert again.load(target=state).source == "memory"
     assert any(slot is not None and slot._pinned for slot in again._slots)
@@ -192,7 +192,7 @@ def test_pinning_from_the_background_makes_no_context_on_another_gpu(tmp_path):
         state = {{"w": torch.randn(1 << 22, device="cuda:1")}}
         for step in range(3):
             assert ck.save(step, state, persist=False).ok
-        ck._background.submit(lambda: None).result()
+        ck.slots.helper.submit(lambda: None).result()
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
                              capture_output=True, text=True).stdout
         gpu0 = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=uuid", "--format=csv,noheader"],

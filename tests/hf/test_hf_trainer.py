@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import GPT2LMHeadModel, Trainer, TrainerCallback  # noqa: E402
 
 from flashckpt_integrations import CheckpointerConfig, Layout  # noqa: E402
-from flashckpt_integrations.adapters import hf_trainer  # noqa: E402
+from flashckpt_integrations.adapters import _hf_files  # noqa: E402
 from flashckpt_integrations.adapters.hf_trainer import FlashCkptTrainer  # noqa: E402
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
 from tests.helpers import complete_slots, flip_slot_byte, marker_names, run_python  # noqa: E402
@@ -199,7 +199,7 @@ def test_save_total_limit_keeps_the_two_newest_committed_checkpoints(tmp_path):
 
 
 def test_models_over_the_shard_size_are_split_like_save_pretrained(tmp_path, monkeypatch):
-    monkeypatch.setattr(hf_trainer, "MAX_SHARD_SIZE", "200KB")
+    monkeypatch.setattr(_hf_files, "MAX_SHARD_SIZE", "200KB")
     trainer = make_trainer(FlashCkptTrainer, str(tmp_path / "run"), max_steps=8, save_steps=4, flash_memory_interval=3)
     trainer.add_callback(FailAt(7))
     with pytest.raises(RuntimeError, match="injected failure"):
@@ -304,8 +304,9 @@ def test_slots_are_prepared_after_the_first_step_so_the_first_save_creates_nothi
     class Watch(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             ck = trainer.flash_checkpointer
-            ck._background.submit(lambda: None).result()  # the background preparation is done
-            sizes[state.global_step] = [s.size if s is not None else None for s in ck._slots[:len(ck.slot_paths)]]
+            ck.slots.helper.submit(lambda: None).result()  # the background preparation is done
+            slots = map(ck.slots.mapped, range(ck.slots.count))
+            sizes[state.global_step] = [s.size if s is not None else None for s in slots]
 
     trainer = make_trainer(FlashCkptTrainer, str(tmp_path / "out"), max_steps=4, save_steps=3, callbacks=[Watch()])
     trainer.train()

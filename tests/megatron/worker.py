@@ -92,7 +92,7 @@ def roundtrip(record: dict) -> None:
         os.environ["FLASHCKPT_FAULT"] = fault
         train(model, optimizer, scheduler, 1, 1, save)
         ck = flash.checkpointer(get_args().save)
-        while not (os.path.exists(os.path.join(ck.run_dir, "saver.log")) or ck._client.connected):
+        while not (os.path.exists(os.path.join(ck.run_dir, "saver.log")) or ck.client.connected):
             time.sleep(0.005)
         os.environ.pop("FLASHCKPT_FAULT")
     train(model, optimizer, scheduler, 2 if fault else 1, 4, save)

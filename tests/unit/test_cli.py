@@ -88,7 +88,7 @@ def test_clean_and_ls_find_the_memory_of_a_job_named_by_the_environment(tmp_path
         "from flashckpt_integrations import Checkpointer\n"
         "ck = Checkpointer(sys.argv[1])\n"
         "assert ck.save(1, {'w': torch.ones(1000)}, persist=False).status.value == 'in_memory'\n"
-        "ck._client.connect()\n"  # the saver is up (it starts off the training path) before the job dies
+        "ck.client.connect()\n"  # the saver is up (it starts off the training path) before the job dies
         "print(ck.run_dir, flush=True)\n"
         "os._exit(0)\n"  # no close, no atexit: the memory stays
     )

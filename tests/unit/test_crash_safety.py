@@ -57,7 +57,7 @@ def test_kill_mid_copy_leaves_the_previous_snapshot_loadable(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     child = CHILD_PRELUDE + textwrap.dedent(
         """
-        import flashckpt_integrations.core.engine as engine
+        import flashckpt_integrations.core.checkpointer.saving as engine
         ck = Checkpointer(ckpt_dir)
         assert ck.save(1, state(1), persist=False).ok
         real_copy = engine.copy_regions
@@ -85,7 +85,7 @@ def test_kill_mid_copy_of_a_streaming_persist_never_publishes_the_step(tmp_path)
     child = CHILD_PRELUDE + textwrap.dedent(
         """
         import time
-        import flashckpt_integrations.core.engine as engine
+        import flashckpt_integrations.core.checkpointer.saving as engine
         ck = Checkpointer(ckpt_dir, stream_persist=True)
         assert ck.save(1, state(1)).wait(60).committed
         real_copy = engine.copy_regions
@@ -142,7 +142,7 @@ def test_memory_save_right_after_a_persisting_save_loses_nothing(make_checkpoint
 def test_third_save_while_both_slots_persist_is_skipped_with_a_reason(make_checkpointer, monkeypatch):
     monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "2")
     ck = make_checkpointer(storage_factory="tests.helpers:SlowStorage", on_slot_busy="skip")
-    ck._client.connect()  # the saver is up: before it answers, a third save would go to the held slot
+    ck.client.connect()  # the saver is up: before it answers, a third save would go to the held slot
     a = ck.save(1, expected(1))
     b = ck.save(2, expected(2))
     c = ck.save(3, expected(3))
@@ -155,7 +155,7 @@ def test_third_save_while_both_slots_persist_is_skipped_with_a_reason(make_check
 def test_third_save_waits_for_a_slot_by_default(make_checkpointer, monkeypatch):
     monkeypatch.setenv("FLASHCKPT_TEST_WRITE_DELAY", "1")
     ck = make_checkpointer(storage_factory="tests.helpers:SlowStorage")
-    ck._client.connect()  # the saver is up: slow storage, not its start, is what holds both slots
+    ck.client.connect()  # the saver is up: slow storage, not its start, is what holds both slots
     results = [ck.save(s, expected(s)) for s in (1, 2, 3)]
     assert all(r.status is SaveStatus.PERSISTING for r in results)
     assert results[2].blocking_s > 0.5
@@ -334,7 +334,7 @@ def _die_with_an_unsent_persist_of_step_1(ckpt: str, before: str = "") -> None:
         """
         import time
         ck = Checkpointer(ckpt_dir)
-        ck._requester.submit(time.sleep, 60)  # the request to the saver queues behind this and is never sent
+        ck.requests.queue(time.sleep, 60)  # the request to the saver queues behind this and is never sent
         r = ck.save(1, state(1), persist=True)
         assert r.status.value == "persisting", r
         assert ck.wait_for_snapshot() is None  # sealed (a first save seals once its attempt is recorded)
@@ -366,7 +366,7 @@ def test_a_rank_killed_before_its_hello_reached_a_running_saver_has_its_persist_
     first = CHILD_PRELUDE + textwrap.dedent(
         """
         ck = Checkpointer(ckpt_dir)
-        ck._client.connect()
+        ck.client.connect()
         os._exit(0)
         """
     )
@@ -464,7 +464,7 @@ def test_a_commit_waiting_for_a_lost_rank_gives_way_once_the_job_is_relaunched(t
         child = CHILD_PRELUDE + textwrap.dedent(
             """
             ck = Checkpointer(ckpt_dir, rank=0, world_size=2)
-            ck._client.connect()
+            ck.client.connect()
             os._exit(0)
             """
         )

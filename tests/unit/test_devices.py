@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from flashckpt_integrations.core import engine as engine_module
+from flashckpt_integrations.core.checkpointer import saving as engine_module
 from flashckpt_integrations.core.results import SaveStatus
 from flashckpt_integrations.core.shm_buffer import SlotState
 from flashckpt_integrations.core.state import Codec, FileSpec
@@ -21,7 +21,8 @@ from tests.helpers import run_python
 
 
 def _states(ck):
-    return [slot.read_header().state for slot in ck._slots if slot is not None and slot.read_header()]
+    slots = map(ck.slots.mapped, ck.slots.indices())
+    return [slot.read_header().state for slot in slots if slot is not None and slot.read_header()]
 
 
 META_CASES = {
@@ -139,7 +140,7 @@ def test_the_accelerate_adapter_attaches_its_optimizers_for_overlapped_saves(tmp
             optimizer.step()  # the pre-hook waits for the copy
             assert flash.save_state(2, persist=False).ok
         assert not [w for w in caught if "attach_optimizer" in str(w.message)]
-        assert len(flash.checkpointer._hooks) == 1  # attached once, not once per save
+        assert len(flash.checkpointer.saves.hooks) == 1  # attached once, not once per save
         assert optimizer.optimizer._optimizer_step_pre_hooks, "optimizer.step() does not wait for the copy"
     finally:
         flash.checkpointer.close()

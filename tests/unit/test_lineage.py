@@ -177,7 +177,7 @@ def test_a_crash_in_the_middle_of_a_superseding_save_leaves_old_or_new_never_a_m
         import time
         ck = Checkpointer(ckpt_dir)
         print("run_dir", ck.run_dir, flush=True)
-        while not ck._client.connected:  # the knob is armed in the first saver only, not in a restarted one
+        while not ck.client.connected:  # the knob is armed in the first saver only, not in a restarted one
             time.sleep(0.005)
         os.environ.pop("FLASHCKPT_FAULT")
         r = ck.save(4, files=files(2))
@@ -245,7 +245,7 @@ def test_a_first_save_returns_before_its_attempt_record_and_is_usable_only_once_
     records = tmp_path / "ckpt" / lineage.LINEAGE_DIR
     first = ck.save(1, {"w": torch.full((256, 256), 1.0)}, persist=False)
     assert first.ok and first.status.value == "in_memory"
-    states = [s.read_header().state for s in ck._slots[:len(ck.slot_paths)] if s is not None]
+    states = [s.read_header().state for s in map(ck.slots.mapped, range(ck.slots.count)) if s is not None]
     assert SlotState.COMPLETE not in states, "a slot was sealed before its attempt was recorded"
     release.set()  # the write fails: the snapshot is dropped, with the reason
     assert ck.memory_steps() == []

@@ -178,7 +178,7 @@ RUN_DIR_JOB = textwrap.dedent(
     ck = Checkpointer(sys.argv[1])
     step = (ck.committed_steps() or [0])[-1] + 1
     assert ck.save(step, {"w": torch.full((1000,), float(step))}).wait(60).committed
-    print(ck.run_dir, ck._client.saver_pid, flush=True)
+    print(ck.run_dir, ck.client.saver_pid, flush=True)
     if sys.argv[2] == "crash":
         os.kill(os.getpid(), signal.SIGKILL)
     ck.close()

@@ -85,7 +85,7 @@ def test_reused_pickles_restore_from_memory_and_load_with_stock_torch(make_check
         result = ck.save(step, state, persist=step == 4)
         assert result.ok, result.reason
         assert_same(ck.load(step).state, state)
-    assert ck._pickles.hits == 3
+    assert ck.saves.pickles.hits == 3
     assert result.wait(60).committed
     code = textwrap.dedent("""
         import json, sys, torch

@@ -1,4 +1,4 @@
-"""Data-parallel reuse for peer replicas (core/replica_reuse.py), on real slots: a replica is
+"""Data-parallel reuse for peer replicas (core/replication/reuse.py), on real slots: a replica is
 assembled from the pieces the receiving node's own snapshot holds and the bytes sent for the
 rest, and comes out byte for byte the sender's snapshot; pieces that only look alike are sent;
 a sender's rank whose comparisons find nothing is compared less and less often."""
@@ -10,14 +10,14 @@ import zlib
 
 import torch
 
-from flashckpt_integrations.core.replica_reuse import LocalCrcs, pieces, whole_crc
+from flashckpt_integrations.core.replication.reuse import LocalCrcs, pieces, whole_crc
 from flashckpt_integrations.core.shm_buffer import HEADER_SIZE, Slot
 
 
 def _snapshot(ck, step, state):
     assert ck.save(step, state, persist=False).ok
     assert ck.wait_for_snapshot() is None  # a first save is sealed once its attempt is recorded
-    slot = Slot.attach(ck.slot_paths[ck._newest_index()])
+    slot = Slot.attach(ck.slot_paths[ck.slots.newest_index()])
     header = slot.read_header()
     return slot, header, header.meta_offset + header.meta_len
 

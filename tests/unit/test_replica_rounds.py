@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import torch
 
-from flashckpt_integrations.core import replica_slots
-from flashckpt_integrations.core.replica_rounds import Rounds
-from flashckpt_integrations.core.replica_slots import ReplicaStore
+from flashckpt_integrations.core.replication import store as store_module
+from flashckpt_integrations.core.replication.rounds import Rounds
+from flashckpt_integrations.core.replication.store import ReplicaStore
 from flashckpt_integrations.core.shm_buffer import Slot
 
 
@@ -24,12 +24,12 @@ def test_a_save_that_needs_the_slot_a_round_copies_takes_it_at_once(make_checkpo
     for step in (1, 2):
         assert ck.save(step, state, persist=False).ok
         assert ck.wait_for_snapshot() is None
-    newest, other = ck._newest_index(), 1 - ck._newest_index()
+    newest, other = ck.slots.newest_index(), 1 - ck.slots.newest_index()
 
     # The other slot is held as a persist holds it; a round copies the newest, slowly (small pieces).
     persist_fd = os.open(ck.slot_paths[other], os.O_RDWR)
     fcntl.flock(persist_fd, fcntl.LOCK_EX)
-    real_chunks, pieces_copied = replica_slots.chunks, []
+    real_chunks, pieces_copied = store_module.chunks, []
 
     def slow_chunks(start, end):
         for offset in range(start, end, 1 << 16):
@@ -37,9 +37,9 @@ def test_a_save_that_needs_the_slot_a_round_copies_takes_it_at_once(make_checkpo
             time.sleep(0.005)  # 512 pieces: 2.5 s at least for the whole copy
             yield offset, min(1 << 16, end - offset)
 
-    monkeypatch.setattr(replica_slots, "chunks", slow_chunks)
+    monkeypatch.setattr(store_module, "chunks", slow_chunks)
     store = ReplicaStore(private_shm_dir, "roundjob")
-    rounds = Rounds(SimpleNamespace(store=store, settings=SimpleNamespace(node_rank=0)))
+    rounds = Rounds(SimpleNamespace(store=store), SimpleNamespace(node_rank=0))
     source = Slot.attach(ck.slot_paths[newest])
     copied: list[str | None] = []
     copier = threading.Thread(target=lambda: copied.append(rounds._copy_own(0, source, source.read_header())))
@@ -53,7 +53,7 @@ def test_a_save_that_needs_the_slot_a_round_copies_takes_it_at_once(make_checkpo
         pieces_at_save = len(pieces_copied)
         copier.join(30)
     finally:
-        monkeypatch.setattr(replica_slots, "chunks", real_chunks)
+        monkeypatch.setattr(store_module, "chunks", real_chunks)
         fcntl.flock(persist_fd, fcntl.LOCK_UN)
         os.close(persist_fd)
 
@@ -75,7 +75,7 @@ def test_a_round_holds_the_trainers_slot_for_the_copy_only_and_checksums_its_own
     ck = make_checkpointer()
     assert ck.save(1, state, persist=False).ok
     assert ck.wait_for_snapshot() is None
-    path = ck.slot_paths[ck._newest_index()]
+    path = ck.slot_paths[ck.slots.newest_index()]
 
     inode = os.stat(path).st_ino
 
@@ -90,8 +90,8 @@ def test_a_round_holds_the_trainers_slot_for_the_copy_only_and_checksums_its_own
                     return True
         return False
 
-    real_crc32, locked_while_summing, copying = replica_slots.zlib.crc32, [], []
-    real_chunks = replica_slots.chunks
+    real_crc32, locked_while_summing, copying = store_module.zlib.crc32, [], []
+    real_chunks = store_module.chunks
 
     def watched_chunks(start, end):
         for piece in real_chunks(start, end):
@@ -102,15 +102,15 @@ def test_a_round_holds_the_trainers_slot_for_the_copy_only_and_checksums_its_own
         locked_while_summing.append(slot_locked())
         return real_crc32(data, value)
 
-    monkeypatch.setattr(replica_slots, "chunks", watched_chunks)
-    monkeypatch.setattr(replica_slots.zlib, "crc32", watched_crc32)
+    monkeypatch.setattr(store_module, "chunks", watched_chunks)
+    monkeypatch.setattr(store_module.zlib, "crc32", watched_crc32)
     store = ReplicaStore(private_shm_dir, ck.job_key)
-    rounds = Rounds(SimpleNamespace(store=store, settings=SimpleNamespace(node_rank=0)))
+    rounds = Rounds(SimpleNamespace(store=store), SimpleNamespace(node_rank=0))
     source = Slot.attach(path)
     try:
         assert rounds._copy_own(0, source, source.read_header()) is None
     finally:
-        monkeypatch.setattr(replica_slots.zlib, "crc32", real_crc32)
+        monkeypatch.setattr(store_module.zlib, "crc32", real_crc32)
     held = [info for info in store.held(0) if info.step == 1]
     assert held, "the round's copy was not kept"
     assert any(copying[1:]), "the copy did not hold the trainer's slot while it read it"
@@ -118,8 +118,8 @@ def test_a_round_holds_the_trainers_slot_for_the_copy_only_and_checksums_its_own
         "the checksum pass held the trainer's slot: a save would wait for it"
     replica = store.acquire(0, 1, held[0].seq)
     try:
-        _, crc, _ = replica_slots.read_record(replica)
-        start, end = replica_slots.HEADER_SIZE, replica_slots.head_of(source.read_header())["nbytes"]
+        _, crc, _ = store_module.read_record(replica)
+        start, end = store_module.HEADER_SIZE, store_module.head_of(source.read_header())["nbytes"]
         with source.memoryview(start, end - start) as a, replica.memoryview(start, end - start) as b:
             assert crc == real_crc32(a), "the kept copy's crc32 is not that of the trainer's bytes"
             assert a == b

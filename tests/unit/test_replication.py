@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from flashckpt_integrations import CheckpointerConfig
-from flashckpt_integrations.core.peers import placement
-from flashckpt_integrations.core.replica_restore import ReplicaHook, replica_count
+from flashckpt_integrations.core.replication import placement
+from flashckpt_integrations.core.replication.rank import ReplicaHook, replica_count
 
 
 def test_placement_is_the_next_nodes_in_ring_order():
@@ -33,8 +33,8 @@ class _Hook(ReplicaHook):
     """The hook of a one-rank job whose peers are faked: what it was asked, what it fetched."""
 
     def __init__(self, offers: dict[int, dict]) -> None:
-        self.ck = SimpleNamespace(world_size=1, process_group=None, rank=0,
-                                  _memory_snapshots=lambda: {**self.local, **dict.fromkeys(self.got, "fetched")})
+        self.ck = SimpleNamespace(world_size=1, process_group=None, rank=0)
+        self._snapshots = lambda: {**self.local, **dict.fromkeys(self.got, "fetched")}
         self.enabled, self.offers, self.local, self.got, self.asked = True, offers, {}, [], 0
 
     def _offers(self) -> dict[int, dict]:

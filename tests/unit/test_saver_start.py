@@ -48,8 +48,8 @@ def test_saves_before_the_saver_is_up_do_not_wait_and_are_all_committed(tmp_path
             time.sleep(0.1)  # as between training steps: the held slot is made meanwhile, off the path
         before_saver = time.monotonic() - started
         assert before_saver < HOLD_S, "the test machine is too slow to tell"
-        assert not ck._client.connected
-        held = ck._held_path
+        assert not ck.client.connected
+        held = ck.slots.held_path
         assert os.path.exists(held)
         for result in first:
             assert result.ok and result.status.value == "persisting", result
@@ -66,7 +66,7 @@ def test_saves_before_the_saver_is_up_do_not_wait_and_are_all_committed(tmp_path
         assert sorted(ck.memory_steps()) == [4, 5]
         for step in (1, 2, 3):
             assert torch.equal(ck.load(step, prefer_memory=False).state["w"], states[step]["w"])
-        pid = ck._client.saver_pid
+        pid = ck.client.saver_pid
         maps = _mapped_libraries(pid)
         assert "libtorch" not in maps and "numpy" not in maps, "the saver imported torch or numpy"
         assert held not in maps, "the saver kept the held slot mapped"

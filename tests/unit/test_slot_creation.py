@@ -75,7 +75,7 @@ def test_a_refused_size_or_mapping_leaves_no_file(private_shm_dir):
 def test_a_receive_abandoned_after_the_job_ended_leaves_nothing_to_load(private_shm_dir, end):
     """A peer's copy still being received when the job ends cleanly: the store unmaps its slots
     under the receive, which then gives up on a slot that is closed (it used to fail there)."""
-    from flashckpt_integrations.core.replica_slots import ReplicaStore, list_replicas
+    from flashckpt_integrations.core.replication import ReplicaStore, list_replicas
 
     store = ReplicaStore(private_shm_dir, "job")
     slot = store.begin(1, 5, 5, 0, 1 << 16)

@@ -1,6 +1,6 @@
 """A rank's side of peer replicas: turning them on, announcing sealed snapshots, restoring from a peer.
 
-The savers do the copying (:mod:`.replication`); a rank only tells its saver what to do. Call
+The savers do the copying (:mod:`.service`); a rank only tells its saver what to do. Call
 order, from the :class:`~flashckpt_integrations.Checkpointer`:
 
 1. ``ReplicaHook(checkpointer)`` in its constructor, before the saver client: the replica count
@@ -24,16 +24,42 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .. import knobs
-from ..errors import FlashCkptError
-from . import collectives, peers
-from .shm_buffer import Slot, SlotState
+from ... import knobs
+from ...config import CheckpointerConfig
+from ...errors import FlashCkptError
+from .. import collectives
+from ..client import SaverClient
+from ..protocol import TrainerOp
+from ..shm_buffer import Slot, SlotState
+from . import peers
 
-if TYPE_CHECKING:
-    from .engine import Checkpointer
+
+class RankInfo(Protocol):
+    """What the hook reads of its rank's checkpointer."""
+
+    config: CheckpointerConfig
+    rank: int
+    world_size: int
+    process_group: Any
+    job_key: str
+    slot_paths: list[str]
+    run_dir: str
+    url: str
+
+
+class RankSlots(Protocol):
+    """What a fetch needs of the rank's slots (``checkpointer.slots.RankSlots``)."""
+
+    lock: Any
+
+    def choose(self, hold: int = 0) -> tuple[int | None, str | None]: ...
+    def forget(self, index: int) -> None: ...
+    def path(self, index: int) -> str: ...
+    def renumber(self) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +88,7 @@ def node_topology(rank: int, world_size: int) -> tuple[int, int]:
 class ReplicaHook:
     """Replication as one rank sees it (see the module docstring)."""
 
-    def __init__(self, ck: Checkpointer) -> None:
+    def __init__(self, ck: RankInfo) -> None:
         self.ck = ck
         self.replicas = replica_count(ck.config.replicas)
         self.node_rank, self.nnodes = node_topology(ck.rank, ck.world_size)
@@ -73,6 +99,16 @@ class ReplicaHook:
             logger.info("[RANK 0] replicas=%d asked for, but the job runs on one node: no peer to hold them",
                         self.replicas)
         self._notify = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-replica") if self.enabled else None
+        self.client: SaverClient | None = None
+        self._slots: RankSlots | None = None
+        self._view: Callable[[], Any] | None = None
+        self._snapshots: Callable[[], dict[int, Any]] | None = None
+
+    def bind(self, *, client: SaverClient, slots: RankSlots, view: Callable[[], Any],
+             snapshots: Callable[[], dict[int, Any]]) -> None:
+        """The rank's parts this hook works through, once the checkpointer has made them: its saver
+        connection, its slots, its attempt's view and its memory snapshots (by step)."""
+        self.client, self._slots, self._view, self._snapshots = client, slots, view, snapshots
 
     def hello(self) -> dict[str, Any]:
         if not self.enabled:
@@ -90,9 +126,9 @@ class ReplicaHook:
 
     def sealed(self, path: str, step: int, seq: int) -> None:
         """Offer a sealed snapshot to the peers (returns at once; not when the saver runs rounds)."""
-        if self._notify is not None and self.ck._client.replica_pushes:
+        if self._notify is not None and self.client.replica_pushes:
             with contextlib.suppress(RuntimeError):  # the interpreter is exiting: no more offers
-                self._notify.submit(self._send, {"op": "replica_push", "rank": self.ck.rank, "slot": path,
+                self._notify.submit(self._send, {"op": TrainerOp.REPLICA_PUSH, "rank": self.ck.rank, "slot": path,
                                                  "step": step, "seq": seq})
 
     def restored(self, slot: Slot) -> None:
@@ -102,8 +138,8 @@ class ReplicaHook:
 
     def _send(self, message: dict[str, Any]) -> None:
         try:
-            self.ck._client.connect()
-            self.ck._client.request(message)  # answered at once; nothing waits for the answer
+            self.client.connect()
+            self.client.request(message)  # answered at once; nothing waits for the answer
         except FlashCkptError as exc:
             logger.debug("[RANK %d] could not offer step %s to the peers: %s", self.ck.rank, message["step"], exc)
 
@@ -118,7 +154,7 @@ class ReplicaHook:
         if not self.enabled:
             return
         try:
-            self.ck._client.connect()
+            self.client.connect()
         except FlashCkptError as exc:
             logger.warning("[RANK %d] the saver is unavailable, so are peer replicas: %s", self.ck.rank, exc)
 
@@ -146,11 +182,11 @@ class ReplicaHook:
         errors = collectives.all_gather_object(error, self.ck.world_size, self.ck.process_group)
         failed = {rank: e for rank, e in enumerate(errors) if e}
         if not failed:
-            return self.ck._memory_snapshots(), {chosen}
+            return self._snapshots(), {chosen}
         if self.ck.rank == 0:
             logger.warning("[RANK 0] step %d is not restored from peer memory: %s", chosen,
                            "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
-        memory = self.ck._memory_snapshots()  # a failed fetch may have taken a slot: agree again
+        memory = self._snapshots()  # a failed fetch may have taken a slot: agree again
         views = collectives.all_gather_object(sorted(memory), self.ck.world_size, self.ck.process_group)
         return memory, set.intersection(*(set(v) for v in views))
 
@@ -158,15 +194,16 @@ class ReplicaHook:
         """The steps of this rank that the job's savers hold as replicas, this attempt may load."""
         ck = self.ck
         try:
-            ck._client.connect()
-            answer = ck._client.request({"op": "replica_inventory", "rank": ck.rank}).result(INVENTORY_TIMEOUT_S)
+            self.client.connect()
+            request = {"op": TrainerOp.REPLICA_INVENTORY, "rank": ck.rank}
+            answer = self.client.request(request).result(INVENTORY_TIMEOUT_S)
         except Exception as exc:
             logger.warning("[RANK %d] could not ask the peers for replicas: %s", ck.rank, exc)
             return {}
         if not answer.get("ok"):
             logger.warning("[RANK %d] could not ask the peers for replicas: %s", ck.rank, answer.get("error"))
             return {}
-        view = ck._lineage_view()
+        view = self._view()
         offers: dict[int, dict[str, Any]] = {}
         for entry in answer.get("replicas", []):
             step = int(entry["step"])
@@ -178,25 +215,23 @@ class ReplicaHook:
 
     def _fetch(self, entry: dict[str, Any]) -> str | None:
         """Copy a peer's replica into one of this rank's slots; the reason when it did not work."""
-        ck = self.ck
-        with ck._lock:
-            index, reason = ck._choose_slot()
+        ck, slots = self.ck, self._slots
+        with slots.lock:
+            index, reason = slots.choose()
             if index is None:
                 return reason
-            if ck._slots[index] is not None:  # the saver may grow the file: map it afresh afterwards
-                ck._slots[index].close()
-                ck._slots[index] = None
-            request = {"op": "replica_fetch", "rank": ck.rank, "step": entry["step"], "seq": entry["seq"],
-                       "holder": entry["holder"], "slot": ck.slot_paths[index]}
+            slots.forget(index)  # the saver may grow the file: map it afresh afterwards
+            request = {"op": TrainerOp.REPLICA_FETCH, "rank": ck.rank, "step": entry["step"], "seq": entry["seq"],
+                       "holder": entry["holder"], "slot": slots.path(index)}
             try:
-                ck._client.connect()
-                answer = ck._client.request(request).result(ck.config.commit_timeout_s)
+                self.client.connect()
+                answer = self.client.request(request).result(ck.config.commit_timeout_s)
             except Exception as exc:
                 return f"{type(exc).__name__}: {exc}"
-            ck._seq = max(ck._seq, ck._newest_seq() + 1)  # the next save must count as newer than the copy
+            slots.renumber()  # the next save must count as newer than the copy
             if not answer.get("ok"):
                 return answer.get("error") or "the fetch failed"
-            if entry["step"] not in ck._memory_snapshots():
+            if entry["step"] not in self._snapshots():
                 return f"the fetched copy of step {entry['step']} is not loadable"
         self.fetched = {"step": entry["step"], "from_node": answer.get("from_node"), "bytes": answer.get("bytes"),
                         "seconds": answer.get("seconds")}

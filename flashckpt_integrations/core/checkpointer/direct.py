@@ -19,53 +19,55 @@ import logging
 import mmap
 import os
 import tempfile
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
 
-from .._utils.devices import synchronize_devices
-from ..errors import SharedMemoryError
-from . import commit as commit_protocol
-from .layout import Layout, write_rank_done, write_rank_failed
-from .persister import Persister
-from .results import SaveResult, SaveStatus
-from .shm_buffer import Slot
-from .state import SnapshotPlan, copy_regions
-from .storage import Storage
-from .writing import write_file
-
-if TYPE_CHECKING:
-    from .engine import Checkpointer
+from ..._utils.devices import synchronize_devices
+from ...errors import SharedMemoryError
+from .. import commit as commit_protocol
+from ..layout import Layout, write_rank_done, write_rank_failed
+from ..persister import Persister
+from ..results import SaveResult, SaveStatus
+from ..shm_buffer import Slot
+from ..state import SnapshotPlan, copy_regions
+from ..storage import Storage
+from ..writing import write_file
 
 logger = logging.getLogger(__name__)
 
 
 def fallback(
-    ck: Checkpointer, step: int, plan: SnapshotPlan, meta: dict[str, Any], persist: bool, error: SharedMemoryError,
+    step: int, plan: SnapshotPlan, meta: dict[str, Any], persist: bool, error: SharedMemoryError, *, rank: int,
+    storage: Storage, layout: Layout, retention: Executor, poll_commit: Callable[..., Any],
 ) -> SaveResult:
-    """What ``save`` does when the rank's slot cannot hold the snapshot (``error`` says why)."""
+    """What ``save`` does when the rank's slot cannot hold the snapshot (``error`` says why).
+
+    ``meta``: the snapshot's metadata, with the persist request the saver would have got (same
+    seq, layout, retention); ``retention``: where the commit's retention pass runs;
+    ``poll_commit``: how the result watches for the commit on ranks other than 0."""
     if not persist:
         return SaveResult(step, SaveStatus.FAILED, (
             f"{error} This memory-only save of step {step} was not kept; saves with persist=True "
             "are written straight to storage until shared memory is large enough."))
     logger.error("[RANK %d] %s Writing step %d straight to storage from the training process instead; "
-                 "training waits until it is durable.", ck.rank, error, step)
-    request = meta["persist"]  # the request the saver would have got: same seq, layout, retention
-    ck._seq += 1
-    committer = Persister(lambda _request: ck.storage, retention=ck._background)
+                 "training waits until it is durable.", rank, error, step)
+    request = meta["persist"]
+    committer = Persister(lambda _request: storage, retention=retention)
     try:
-        _persist(ck.storage, ck.layout, plan, request)
+        _persist(storage, layout, plan, request)
     except Exception as exc:
-        reason = f"rank {ck.rank} could not write step {step} straight to storage: {type(exc).__name__}: {exc}"
-        logger.error("[RANK %d] %s", ck.rank, reason)
-        if ck.rank == 0:
+        reason = f"rank {rank} could not write step {step} straight to storage: {type(exc).__name__}: {exc}"
+        logger.error("[RANK %d] %s", rank, reason)
+        if rank == 0:
             committer.commit(request, reason)
         return SaveResult(step, SaveStatus.FAILED, reason)
-    if ck.rank == 0:
+    if rank == 0:
         committer.commit(request)
     durable: Future = Future()
     durable.set_result({"ok": True})
-    return SaveResult(step, SaveStatus.PERSISTING, f"written straight to storage: {error}", _durable=durable,
-                      _poll_commit=ck._commit_poller(request.get("sid", "")))
+    return SaveResult(step, SaveStatus.PERSISTING, f"written straight to storage: {error}", durable=durable,
+                      poll_commit=poll_commit)
 
 
 def _persist(storage: Storage, layout: Layout, plan: SnapshotPlan, request: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """Finding the job's other savers, and proving to each other that both belong to the job.
 
-Savers replicate memory snapshots to each other over TCP (:mod:`.replication`). They find each
-other through what the job already shares, its checkpoint storage, and authenticate every
+Savers replicate memory snapshots to each other over TCP (:mod:`flashckpt_integrations.core.replication`).
+They find each other through what the job already shares, its checkpoint storage, and authenticate every
 connection with a per-job secret. Call order, on a saver with replication on:
 
 1. :func:`job_secret` (storage): ``$FLASHCKPT_REPLICA_SECRET`` when the launcher set one, else
@@ -15,7 +15,9 @@ connection with a per-job secret. Call order, on a saver with replication on:
    HMAC-SHA256 challenge-response over both sides' fresh nonces with a key derived from the secret
    and the job key. The server refuses a peer of another job, or one that cannot answer, and logs
    it; a client that cannot verify the server sends it nothing. Then both use the :class:`Channel`:
-   length-prefixed JSON messages, each optionally followed by raw bytes it announces.
+   length-prefixed JSON messages, each optionally followed by raw bytes it announces. A saver (and
+   ``flashckpt ls``) opens every channel through one :class:`PeerDialer`, which holds the job, the
+   secret and the node rank it speaks as.
 
 Connections are authenticated, not encrypted: run replication on the cluster's private network.
 No torch or numpy here (the saver imports this module).
@@ -35,13 +37,13 @@ import stat
 import struct
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .. import knobs
-from ..errors import FlashCkptError
-from .layout import META_DIR
-from .storage import LocalStorage, Storage, create_exclusive, write_bytes
+from ... import knobs
+from ...errors import FlashCkptError
+from ..layout import META_DIR
+from ..storage import LocalStorage, Storage, create_exclusive, write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +300,33 @@ def connect(record: PeerRecord, secret: bytes, job: str, node_rank: int, *, time
     except BaseException:
         channel.close()
         raise
+
+
+@dataclass(frozen=True)
+class PeerDialer:
+    """How one saver (or ``flashckpt ls``) reaches the job's savers: their records on ``storage``
+    and authenticated channels to them, speaking as node ``node_rank`` (-1: not a node's saver)."""
+
+    storage: Storage
+    job: str
+    secret: bytes = field(repr=False)
+    node_rank: int = -1
+
+    def records(self) -> dict[int, PeerRecord]:
+        """Every node's published saver of the job, by node rank."""
+        return read_peers(self.storage, self.job)
+
+    def connect(self, record: PeerRecord, *, timeout: float) -> Channel:
+        """An authenticated channel to ``record``'s saver (see :func:`connect`)."""
+        return connect(record, self.secret, self.job, self.node_rank, timeout=timeout)
+
+    def connect_node(self, node_rank: int, *, timeout: float) -> Channel:
+        """An authenticated channel to node ``node_rank``'s published saver; ``ConnectionError``
+        when that node has published none."""
+        record = read_peer(self.storage, self.job, node_rank)
+        if record is None:
+            raise ConnectionError(f"node {node_rank} has published no saver")
+        return self.connect(record, timeout=timeout)
 
 
 def accept(sock: socket.socket, address: str, secret: bytes, job: str) -> tuple[Channel, int] | None:

@@ -13,9 +13,9 @@ a peer copy does, holding a slot's lock only while it copies it into the store.
 
 Call order:
 
-1. :class:`Rounds` is made by :class:`~.replication.Replication` when replication starts;
-   :meth:`Rounds.start` starts the leader thread on node 0's saver.
-2. The leader (:meth:`Rounds._lead`), at most ``duty`` of the time (:func:`.replication.copy_duty`),
+1. :class:`Rounds` is the default :class:`~.policy.CopyPolicy`, made by :func:`.service.copy_policy`
+   when replication starts; :meth:`Rounds.start` starts the leader thread on node 0's saver.
+2. The leader (:meth:`Rounds._lead`), at most ``duty`` of the time (:func:`.pacing.copy_duty`),
    once every rank of its node has sealed a step newer than the kept one; ``after`` = the kept
    step + 1 (0 before the first round).
    - ``round_held`` asks every node's saver (its own directly, the others on the peer channel)
@@ -29,7 +29,9 @@ Call order:
    - ``round_send``: every node copies those copies to its placement targets (:meth:`Rounds.send`).
    - When every node answered ok, ``round_kept`` gives every node the new kept step
      (:meth:`Rounds.keep`; each ``round_held`` and ``round_snap`` carries it as well).
-3. Every store write asks :attr:`Rounds.kept` for the step :meth:`.ReplicaStore.begin` must not
+   Each node serves these questions in :meth:`Rounds.handle` (the ops of
+   :data:`~flashckpt_integrations.core.protocol.ROUND_OPS`, from :class:`~.server.PeerServer`).
+3. Every store write asks :meth:`Rounds.kept` for the step :meth:`.ReplicaStore.begin` must not
    overwrite (the receiver of a peer's copy, and :meth:`Rounds.snap`).
 4. :meth:`Rounds.close`.
 
@@ -40,68 +42,29 @@ round in flight), beside the two replicas of each peer rank the node holds.
 from __future__ import annotations
 
 import contextlib
-import glob
-import json
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .. import knobs
-from .._utils.cpus import affinity_cpus
-from ..errors import CorruptCheckpointError, SharedMemoryError
-from . import peers, verify
-from .protocol import SLOTS_FILE
-from .replica_slots import ReplicaSkipped, head_of
-from .shm_buffer import Slot, SlotHeader, SlotState
-
-if TYPE_CHECKING:
-    from .replication import Replication
+from ..._utils.cpus import affinity_cpus
+from .. import verify
+from ..protocol import ROUND_OPS, PeerOp
+from ..shm_buffer import Slot, SlotHeader
+from .local import local_slots, open_complete
+from .pacing import copy_duty, cpu_share
+from .peers import Channel, PeerRecord
+from .policy import PolicyContext, ReplicaSettings
+from .store import ReplicaSkipped, head_of
+from .transfer import SEND_TIMEOUT_S, push_copy
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1
 """How often the leader looks for a newer step while no round is due."""
-OPS = ("round_held", "round_snap", "round_send", "round_kept")
-"""The peer ops of a round (the leader's questions)."""
 RETRIES = 3
 """Rounds started again at once when a save took a slot back from a node's copy."""
-
-
-def enabled() -> bool:
-    return knobs.get(knobs.REPLICA_ROUNDS, "1") != "0"
-
-
-def local_slots(run_dir: str) -> dict[int, list[str]]:
-    """This node's ranks and their slot files, from the ranks' records in the saver's run directory."""
-    found: dict[int, list[str]] = {}
-    for record in sorted(glob.glob(os.path.join(run_dir, SLOTS_FILE.format(rank="*")))):
-        try:
-            with open(record) as f:
-                data = json.load(f)
-            found[int(data["rank"])] = [str(p) for p in data.get("slots", [])]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return found
-
-
-def _complete(path: str) -> tuple[Slot, SlotHeader] | None:
-    try:
-        slot = Slot.attach(path)
-    except (SharedMemoryError, OSError):
-        return None
-    if slot is None:
-        return None
-    try:
-        header = slot.read_header()
-    except CorruptCheckpointError:
-        header = None
-    if header is None or header.state is not SlotState.COMPLETE:
-        slot.close()
-        return None
-    return slot, header
 
 
 def _steadiest(steps: list[int], persisting: set[int]) -> int:
@@ -113,11 +76,15 @@ def _steadiest(steps: list[int], persisting: set[int]) -> int:
 
 
 class Rounds:
-    """The rounds of one saver (see the module docstring)."""
+    """The rounds of one saver (see the module docstring): a :class:`~.policy.CopyPolicy`."""
 
-    def __init__(self, owner: Replication) -> None:
-        self.owner = owner
-        self.kept: int | None = None
+    wants_pushes = False
+    """The ranks offer no sealed snapshot: a round copies the steps it keeps itself."""
+
+    def __init__(self, context: PolicyContext, settings: ReplicaSettings) -> None:
+        self.context = context
+        self.settings = settings
+        self._kept: int | None = None
         self._lock = threading.Lock()  # one round at a time on this node
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -126,9 +93,23 @@ class Rounds:
         self._spent: dict[int, float] = {}  # CPU seconds each node spent on the round in progress
 
     def start(self) -> None:
-        if self.owner.settings.node_rank == 0 and self.owner.settings.nnodes > 1:
+        """Start the leader on node 0's saver (a job of one node has no round)."""
+        if self.settings.node_rank == 0 and self.settings.nnodes > 1:
             self._thread = threading.Thread(target=self._lead, name="replica-rounds", daemon=True)
             self._thread.start()
+
+    def retarget(self, settings: ReplicaSettings) -> None:
+        self.settings = settings
+
+    def offer(self, note: dict[str, Any]) -> None:
+        """Nothing: a round reads the ranks' sealed slots itself, when it is due."""
+
+    def handles(self, op: str) -> bool:
+        return op in ROUND_OPS
+
+    def kept(self) -> int | None:
+        """The job's kept step (None before the first kept round)."""
+        return self._kept
 
     def close(self) -> None:
         self._stop.set()
@@ -138,10 +119,10 @@ class Rounds:
     def _held(self) -> dict[int, dict[int, tuple[Slot, SlotHeader]]]:
         """Each rank of this node: its complete slots by step (the caller closes them)."""
         held: dict[int, dict[int, tuple[Slot, SlotHeader]]] = {}
-        for rank, paths in local_slots(self.owner.run_dir).items():
+        for rank, paths in local_slots(self.context.run_dir).items():
             held[rank] = {}
             for path in paths:
-                found = _complete(path)
+                found = open_complete(path)
                 if found is not None and found[1].step in held[rank]:
                     found[0].close()  # the same step twice (a held slot): one copy is enough
                 elif found is not None:
@@ -169,7 +150,7 @@ class Rounds:
                     if by_step:
                         nbytes = head_of(max(by_step.values(), key=lambda f: f[1].step)[1])["nbytes"]
                         with contextlib.suppress(ReplicaSkipped):  # said again by the copy, if it still holds
-                            self.owner.store.prepare(rank, nbytes, keep=self.kept)
+                            self.context.store.prepare(rank, nbytes, keep=self._kept)
             finally:
                 self._close(held)
             held = self._held()
@@ -230,7 +211,7 @@ class Rounds:
                 slot.unlock()
 
         try:
-            if not self.owner.store.copy_local(rank, slot, header, self.owner.settings.node_rank, keep=self.kept,
+            if not self.context.store.copy_local(rank, slot, header, self.settings.node_rank, keep=self._kept,
                                                give_way=give_way, let_go=let_go):
                 return f"rank {rank}'s snapshot of step {header.step} was overwritten or needed while it was copied"
         except ReplicaSkipped as exc:
@@ -242,28 +223,22 @@ class Rounds:
     def send(self, message: dict[str, Any]) -> dict[str, Any]:
         """Copy this node's kept copies of ``step`` to every placement target; ok once all hold them."""
         step = int(message["step"])
-        ranks = sorted(local_slots(self.owner.run_dir))
+        ranks = sorted(local_slots(self.context.run_dir))
         errors: list[str] = []
         cpu = time.thread_time()
         with self._lock:
-            for node in self.owner.targets():
+            for node in self.settings.targets():
                 errors += self._send_to(node, ranks, step)
         cpu = time.thread_time() - cpu
         return {"ok": False, "error": "; ".join(errors), "cpu_s": cpu} if errors else {"ok": True, "cpu_s": cpu}
 
     def _send_to(self, node: int, ranks: list[int], step: int) -> list[str]:
-        from .replication import SEND_TIMEOUT_S, push_copy
+        store = self.context.store
+        opened: list[Channel] = []
 
-        owner, store = self.owner, self.owner.store
-        opened: list[peers.Channel] = []
-
-        def connect() -> peers.Channel:
+        def connect() -> Channel:
             if not opened:
-                record = peers.read_peer(owner.storage(), owner.settings.job, node)
-                if record is None:
-                    raise ConnectionError(f"node {node} has published no saver")
-                opened.append(peers.connect(record, owner._secret, owner.settings.job, owner.settings.node_rank,
-                                            timeout=SEND_TIMEOUT_S))
+                opened.append(self.context.dialer.connect_node(node, timeout=SEND_TIMEOUT_S))
             return opened[0]
 
         errors = []
@@ -275,7 +250,7 @@ class Rounds:
                     errors.append(f"rank {rank} has no kept copy of step {step}")
                     continue
                 try:
-                    outcome = push_copy(owner, node, connect, slot,
+                    outcome = push_copy(self.context.status, node, connect, slot,
                                         {"rank": rank, "slot": slot.path, "step": step, "seq": info.seq},
                                         crc=info.data_crc)  # acquired: sealed and unchanging while sent
                 finally:
@@ -292,26 +267,24 @@ class Rounds:
     def keep(self, message: dict[str, Any]) -> dict[str, Any]:
         """The job's kept step: no store write overwrites its copies until a newer one is kept."""
         step = int(message["step"])
-        if step != self.kept:
-            self.kept = step
-            self.owner._update_status(kept={"step": step, "time": round(time.time(), 3)})
+        if step != self._kept:
+            self._kept = step
+            self.context.status.update(kept={"step": step, "time": round(time.time(), 3)})
         return {"ok": True}
 
     # --- the leader (node 0) ---------------------------------------------------------------
 
     def _lead(self) -> None:
-        from .replication import copy_duty, cpu_share
-
         duty = copy_duty()
         cpu_budget = cpu_share() * affinity_cpus()
         next_at = 0.0
         while not self._stop.wait(POLL_S if time.monotonic() >= next_at else next_at - time.monotonic()):
             try:
                 newest = self._newest_local()
-                if newest is None or (self.kept is not None and newest <= self.kept):
+                if newest is None or (self._kept is not None and newest <= self._kept):
                     continue
                 started, self._spent = time.monotonic(), {}
-                kept = self._round(0 if self.kept is None else self.kept + 1)
+                kept = self._round(0 if self._kept is None else self._kept + 1)
                 elapsed = time.monotonic() - started
                 self._last_s = elapsed
                 # The CPU time the busiest node spent on a round, kept or not, is at most
@@ -324,7 +297,7 @@ class Rounds:
                 logger.debug("replication round %s in %.2fs; %.2f CPU s on the busiest node; the next in %.1fs",
                              "not kept" if kept is None else f"kept step {kept}", elapsed, busiest, pause)
                 self._tally["kept" if kept is not None else "not_kept"] += 1
-                self.owner._update_status(rounds=dict(self._tally))
+                self.context.status.update(rounds=dict(self._tally))
             except Exception as exc:  # a round that cannot run is tried again later
                 logger.warning("replication round failed: %s: %s", type(exc).__name__, exc)
                 next_at = time.monotonic() + 1.0
@@ -332,10 +305,10 @@ class Rounds:
     def _newest_local(self) -> int | None:
         """The newest step every rank of this node has sealed."""
         newest = []
-        for paths in local_slots(self.owner.run_dir).values():
+        for paths in local_slots(self.context.run_dir).values():
             steps = []
             for path in paths:
-                found = _complete(path)
+                found = open_complete(path)
                 if found is not None:
                     steps.append(found[1].step)
                     found[0].close()
@@ -346,14 +319,14 @@ class Rounds:
 
     def _round(self, after: int) -> int | None:
         """One round from ``after``; the step it kept, or None."""
-        settings = self.owner.settings
-        records = peers.read_peers(self.owner.storage(), settings.job)
+        settings = self.settings
+        records = self.context.dialer.records()
         nodes = list(range(settings.nnodes))
         if any(n not in records for n in nodes if n != settings.node_rank):
             logger.debug("replication round: nodes %s have published no saver yet", sorted(set(nodes) - set(records)))
             return None
         for _ in range(RETRIES):
-            answers = self._ask_all(records, nodes, {"op": "round_held", "after": after, "kept": self.kept})
+            answers = self._ask_all(records, nodes, {"op": PeerOp.ROUND_HELD, "after": after, "kept": self._kept})
             self._spend(answers)
             if not all(a.get("ok") for a in answers.values()):
                 logger.debug("replication round from step %d: %s", after, answers)
@@ -365,7 +338,7 @@ class Rounds:
                 logger.debug("replication round from step %d: no step every node holds: %s", after, answers)
                 return None
             step = _steadiest(sorted(common), set.intersection(*(set(a["persisting"]) for a in answers.values())))
-            answers = self._ask_all(records, nodes, {"op": "round_snap", "step": step, "kept": self.kept})
+            answers = self._ask_all(records, nodes, {"op": PeerOp.ROUND_SNAP, "step": step, "kept": self._kept})
             self._spend(answers)
             if all(a.get("ok") for a in answers.values()):
                 break
@@ -374,13 +347,13 @@ class Rounds:
             logger.debug("replication round from step %d: no step every node holds, or its copies failed, %d "
                          "times: %s", after, RETRIES, answers)
             return None
-        answers = self._ask_all(records, nodes, {"op": "round_send", "step": step})
+        answers = self._ask_all(records, nodes, {"op": PeerOp.ROUND_SEND, "step": step})
         self._spend(answers, 2.0)  # what each node's peers spent receiving it: about as much
         failed = {n: a.get("error") for n, a in answers.items() if not a.get("ok")}
         if failed:
             logger.info("replication round of step %d is not kept: %s", step, failed)
             return None
-        self._ask_all(records, nodes, {"op": "round_kept", "step": step})
+        self._ask_all(records, nodes, {"op": PeerOp.ROUND_KEPT, "step": step})
         logger.debug("step %d is kept in memory on every node", step)
         return step
 
@@ -390,20 +363,17 @@ class Rounds:
             if isinstance(spent, (int, float)):
                 self._spent[node] = self._spent.get(node, 0.0) + factor * spent
 
-    def _ask_all(self, records: dict[int, peers.PeerRecord], nodes: list[int],
+    def _ask_all(self, records: dict[int, PeerRecord], nodes: list[int],
                  message: dict[str, Any]) -> dict[int, dict[str, Any]]:
         with ThreadPoolExecutor(len(nodes), thread_name_prefix="replica-round") as pool:
             futures = {n: pool.submit(self._ask, records.get(n), n, message) for n in nodes}
             return {n: f.result() for n, f in futures.items()}
 
-    def _ask(self, record: peers.PeerRecord | None, node: int, message: dict[str, Any]) -> dict[str, Any]:
-        owner = self.owner
+    def _ask(self, record: PeerRecord | None, node: int, message: dict[str, Any]) -> dict[str, Any]:
         try:
-            if node == owner.settings.node_rank:
+            if node == self.settings.node_rank:
                 return self.handle(message)
-            timeout = max(60.0, 10 * self._last_s)
-            channel = peers.connect(record, owner._secret, owner.settings.job, owner.settings.node_rank,
-                                    timeout=timeout)
+            channel = self.context.dialer.connect(record, timeout=max(60.0, 10 * self._last_s))
             with contextlib.closing(channel):
                 channel.send(message)
                 return channel.recv()
@@ -413,7 +383,8 @@ class Rounds:
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         """Serve one round op (from the leader, on the peer channel or in this process)."""
         op = message.get("op")
-        work = dict(zip(OPS, (self.held, self.snap, self.send, self.keep))).get(op)
+        work = {PeerOp.ROUND_HELD: self.held, PeerOp.ROUND_SNAP: self.snap, PeerOp.ROUND_SEND: self.send,
+                PeerOp.ROUND_KEPT: self.keep}.get(op)
         if work is None:
             return {"ok": False, "error": f"unknown op {op!r}"}
         try:

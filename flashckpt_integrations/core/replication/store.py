@@ -1,24 +1,26 @@
 """Replica slots: the copies of other nodes' snapshots that a saver keeps in its own shared memory.
 
-A replica slot is a slot (:mod:`.shm_buffer`): the same header, step, seq, metadata and metadata
-checksum as the rank's own slot it copies, byte for byte from offset ``HEADER_SIZE`` to the end of
-the metadata. Its persist fields are zero (a replica is never persisted from), and a replica record
-in the header's spare bytes (offset 256) carries a generation (which of a rank's two replicas is
-newer), the crc32 of the copied bytes as the sender read them from its source, and the node the
-copy came from. A restore's fetch checks that crc twice: the holder while it reads its replica
-(damage at rest or in the first transfer), the fetching node while it receives (the second). Names::
+A replica slot is a slot (:mod:`~flashckpt_integrations.core.shm_buffer`): the same header, step,
+seq, metadata and metadata checksum as the rank's own slot it copies, byte for byte from offset
+``HEADER_SIZE`` to the end of the metadata. Its persist fields are zero (a replica is never
+persisted from), and a replica record in the header's spare bytes (offset 256) carries a
+generation (which of a rank's two replicas is newer), the crc32 of the copied bytes as the sender
+read them from its source, and the node the copy came from. A restore's fetch checks that crc
+twice: the holder while it reads its replica (damage at rest or in the first transfer), the
+fetching node while it receives (the second). Names::
 
     <shm dir>/flashckpt-<uid>-<job>.replica-r<rank>-<k>      k = 0, 1
 
 Two per rank, written alternately: a copy goes into the slot without the newest complete replica,
 in the writing state, and is sealed only once every byte arrived and the sender said that its
-source did not change while it was read (see :func:`send_range`); so a receiver killed mid-copy
-leaves the previous replica loadable and the torn one in the writing state, never loaded.
+source did not change while it was read (see :func:`.stream.send_range`); so a receiver killed
+mid-copy leaves the previous replica loadable and the torn one in the writing state, never loaded.
 
-Call order (the saver's :class:`~.replication.Replication`): :meth:`ReplicaStore.begin` (choose and
-size the slot, or :class:`ReplicaSkipped` with the reason) -> :func:`recv_range` ->
-:meth:`ReplicaStore.publish` or :meth:`ReplicaStore.abandon`; for restores :meth:`ReplicaStore.acquire`
--> :func:`send_range` -> :meth:`ReplicaStore.release`. No torch here.
+Call order (:mod:`.transfer`, on a saver): :meth:`ReplicaStore.begin` (choose and size the slot,
+or :class:`ReplicaSkipped` with the reason) -> :func:`.stream.recv_range` ->
+:meth:`ReplicaStore.publish` or :meth:`ReplicaStore.abandon`; for restores
+:meth:`ReplicaStore.acquire` -> :func:`.stream.send_range` -> :meth:`ReplicaStore.release`; a
+round's own copy (:mod:`.rounds`) goes in through :meth:`ReplicaStore.copy_local`. No torch here.
 """
 
 from __future__ import annotations
@@ -31,21 +33,18 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import knobs
-from .._utils.faults import fault_point
-from ..errors import CorruptCheckpointError, SharedMemoryError
-from .shm_buffer import GROWTH, HEADER_SIZE, Slot, SlotHeader, SlotState, shm_free_bytes
+from ... import knobs
+from ...errors import CorruptCheckpointError, SharedMemoryError
+from ..shm_buffer import GROWTH, HEADER_SIZE, Slot, SlotHeader, SlotState, shm_free_bytes
+from .stream import chunks
 
 logger = logging.getLogger(__name__)
 
 REPLICAS_PER_RANK = 2
-CHUNK = 4 << 20
-"""Bytes per send/receive call (and per checksum update)."""
 _RECORD_OFFSET = 256
 _RECORD = struct.Struct("<8sqIi")
 _RECORD_MAGIC = b"FCREPLIC"
@@ -179,7 +178,7 @@ class ReplicaStore:
     def begin(self, rank: int, step: int, seq: int, meta_crc: int, nbytes: int, *, keep: int | None = None) -> Slot:
         """The slot to copy rank ``rank``'s snapshot into, sized and marked as being written.
 
-        ``keep``: the job's kept step (:mod:`.replica_rounds`); its replica is never the one
+        ``keep``: the job's kept step (:mod:`.rounds`); its replica is never the one
         overwritten, even when it is the newer of the two."""
         with self._lock:
             if rank in self._writing:
@@ -395,78 +394,6 @@ def check_head(head: dict[str, Any], limit: int = 1 << 44) -> tuple[int, int, in
     if offset < HEADER_SIZE or length <= 0 or offset + length != nbytes or nbytes > limit:
         raise ValueError(f"a copy of {nbytes} bytes with metadata at [{offset}, {offset + length}) makes no sense")
     return step, seq, nbytes
-
-
-class _Checksum:
-    """A crc32 over a slot's chunks in order, computed on a helper thread beside the transfer
-    (``zlib`` and the socket calls both release the GIL: on a multi-core host they overlap)."""
-
-    def __init__(self, slot: Slot) -> None:
-        self.slot = slot
-        self.crc = 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="replica-crc")
-        self._last: Future | None = None
-
-    def add(self, offset: int, nbytes: int) -> None:
-        self._last = self._pool.submit(self._update, offset, nbytes)
-
-    def _update(self, offset: int, nbytes: int) -> None:
-        with self.slot.memoryview(offset, nbytes) as view:
-            self.crc = zlib.crc32(view, self.crc)
-
-    def result(self) -> int:
-        try:
-            if self._last is not None:
-                self._last.result()
-            return self.crc
-        finally:
-            self._pool.shutdown(wait=True)
-
-
-def chunks(start: int, end: int) -> Iterator[tuple[int, int]]:
-    """``(offset, length)`` of the ``CHUNK``-sized pieces of ``[start, end)``, in order."""
-    for offset in range(start, end, CHUNK):
-        yield offset, min(CHUNK, end - offset)
-
-
-def send_range(sock: Any, slot: Slot, start: int, end: int, *, crc: int | None = None) -> int:
-    """Stream ``slot[start:end]`` to ``sock`` straight from the mapping; return its crc32 (``crc``
-    when the caller knows it already: a sealed copy that nothing writes, whose checksum was taken
-    as it was made, is not read a second time).
-
-    The caller reads the slot's header before and after (a seqlock): the bytes count only if
-    both say the same complete snapshot, so a save that reuses the slot meanwhile is detected and
-    the copy discarded; the slot is never locked and a save never waits for a copy.
-    """
-    checksum = _Checksum(slot) if crc is None else None
-    try:
-        for offset, n in chunks(start, end):
-            if checksum is not None:
-                checksum.add(offset, n)
-            with slot.memoryview(offset, n) as view:
-                sock.sendall(view)
-    finally:
-        if checksum is not None:
-            crc = checksum.result()
-    return crc
-
-
-def recv_range(recv_into: Callable[[memoryview], None], slot: Slot, start: int, end: int, *,
-               checksum: bool = True) -> int | None:
-    """Receive ``end - start`` bytes straight into ``slot[start:end]``; return their crc32 (None
-    without ``checksum``: a replica keeps its sender's, which every restore verifies)."""
-    crc = _Checksum(slot) if checksum else None
-    try:
-        for offset, n in chunks(start, end):
-            with slot.memoryview(offset, n) as view:
-                recv_into(view)
-            if crc is not None:
-                crc.add(offset, n)
-            if offset == start:
-                fault_point("replica.receive")  # part of the copy is in place
-    finally:
-        value = crc.result() if crc is not None else None
-    return value
 
 
 def seal_copy(slot: Slot, head: dict[str, Any]) -> dict[str, Any]:

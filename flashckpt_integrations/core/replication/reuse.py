@@ -10,7 +10,7 @@ shape at the same offset, as tensor-parallel ranks hold, must not pass for each 
 sender's, and only when the local snapshot did not change while it was read (its header, before
 and after, as every copy here).
 
-Call order, for one ``push`` (:mod:`.replication`; sender S, receiver R):
+Call order, for one ``push`` (:mod:`.transfer`; sender S, receiver R):
 
 1. R, on the announcement: :func:`local_candidates` (its own ranks' complete snapshots of that
    step), unless :meth:`LocalCrcs.worth_comparing` says that comparing this sender's rank has
@@ -28,21 +28,19 @@ Call order, for one ``push`` (:mod:`.replication`; sender S, receiver R):
 from __future__ import annotations
 
 import contextlib
-import glob
-import json
-import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import knobs
-from .._utils.faults import fault_point
-from ..errors import CorruptCheckpointError, SharedMemoryError
-from .protocol import SLOTS_FILE
-from .replica_slots import chunks, same_snapshot
-from .shm_buffer import Slot, SlotHeader, SlotState
-from .torchzip import crc32_combine
+from ... import knobs
+from ..._utils.faults import fault_point
+from ...errors import CorruptCheckpointError, SharedMemoryError
+from ..shm_buffer import Slot, SlotHeader, SlotState
+from ..torchzip import crc32_combine
+from .local import local_snapshots
+from .store import same_snapshot
+from .stream import chunks
 
 MIN_PIECE = 4 << 10
 """Regions smaller than this travel with the bytes around them (not worth a comparison)."""
@@ -116,24 +114,6 @@ def send_pieces(sock: Any, slot: Slot, parts: list[Piece], reused: set[int]) -> 
 
 
 # --- the receiver --------------------------------------------------------------------------
-
-
-def local_snapshots(run_dir: str) -> list[tuple[int, str, SlotHeader]]:
-    """``(rank, slot file, header)`` of every complete snapshot in this node's ranks' own slots
-    (from their records in the saver's run directory)."""
-    found = []
-    for record in sorted(glob.glob(os.path.join(run_dir, SLOTS_FILE.format(rank="*")))):
-        try:
-            with open(record) as f:
-                data = json.load(f)
-            rank, paths = int(data["rank"]), data.get("slots", [])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        for path in paths:
-            header = _header_of(path)
-            if header is not None and header.state is SlotState.COMPLETE:
-                found.append((rank, path, header))
-    return found
 
 
 def local_candidates(run_dir: str, step: int) -> list[str]:
@@ -253,18 +233,3 @@ def _sums(slot: Slot, offset: int, length: int) -> tuple[int, int]:
             crc = zlib.crc32(view, crc)
             adler = zlib.adler32(view, adler)
     return crc, adler
-
-
-def _header_of(path: str) -> SlotHeader | None:
-    try:
-        slot = Slot.attach(path)
-    except (SharedMemoryError, OSError):
-        return None
-    if slot is None:
-        return None
-    try:
-        return slot.read_header()
-    except CorruptCheckpointError:
-        return None
-    finally:
-        slot.close()

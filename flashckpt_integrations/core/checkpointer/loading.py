@@ -1,11 +1,11 @@
-"""The load path of :class:`~flashckpt_integrations.Checkpointer`: what an attempt may load, how it
-decides how it starts, and loading from memory or storage.
+"""The load path of one rank: what it may load, loading from memory or storage, verified.
 
-Call order (every rank, collectively where said): before anything else an attempt's queries
-(``memory_steps()``, ``committed_steps()``) see the provisional view of :mod:`.lineage`; then
-once, collectively, the attempt decides: ``load()`` (continues the lineage of what it loads, or
-starts a new one), ``start_attempt(step | None)`` (code that resumed through another loader), or
-the first ``save()`` (a fresh start); from then on every query and load sees that attempt's view.
+Call order (every rank, collectively where said): ``memory_steps()`` / ``committed_steps()`` at
+any time (before the attempt decides, they see the provisional view of :mod:`..lineage`); then
+``load()`` (collective: the ranks agree on a step, restore it verified, fall back together when a
+copy fails, and the attempt continues the lineage of what it loaded) or ``start_attempt(step)``
+(code that resumed through another loader). Adapters that read a snapshot their own way choose
+it from ``memory_snapshots()``, after ``recover_replicas()`` and before ``check_memory(step)``.
 """
 
 from __future__ import annotations
@@ -15,34 +15,50 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .._utils import devices
-from .._utils.locks import lock_held
-from ..errors import (
+from ..._utils import devices
+from ...config import CheckpointerConfig
+from ...errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FlashCkptError,
     LayoutMismatchError,
     StorageError,
 )
-from . import collectives, lineage, verify
-from .codecs import decode_from_slot, read_file
-from .layout import commit_record, commit_records, files_dir, read_json
-from .restore import copy_into_target, is_files
-from .results import LoadResult
-from .shm_buffer import Slot, SlotState
-from .state import Codec
+from .. import collectives, verify
+from ..client import SaverClient
+from ..codecs import decode_from_slot, read_file
+from ..layout import Layout, commit_record, files_dir, read_json
+from ..replication.rank import ReplicaHook
+from ..restore import copy_into_target, is_files
+from ..results import LoadResult
+from ..shm_buffer import Slot, SlotState
+from ..state import Codec
+from ..storage import Storage
+from .attempt import Attempt
+from .saving import SavePath, files_of
+from .slots import RankSlots, locked_by_saver
 
 logger = logging.getLogger(__name__)
 
 
 class LoadPath:
-    """Mixed into ``Checkpointer``: its lineage decisions and its load path (uses its attributes)."""
+    """Loads of one rank (see the module docstring)."""
+
+    def __init__(self, config: CheckpointerConfig, *, rank: int, world_size: int, process_group: Any, url: str,
+                 storage: Storage, layout: Layout, slots: RankSlots, attempt: Attempt, saves: SavePath,
+                 sums: verify.Checksummer, replicas: ReplicaHook, client: SaverClient,
+                 check_open: Callable[[], None]) -> None:
+        self.config, self.rank, self.world_size, self.process_group = config, rank, world_size, process_group
+        self.url, self.storage, self.layout = url, storage, layout
+        self.slots, self.attempt, self.saves, self.sums = slots, attempt, saves, sums
+        self.replicas, self.client, self._check_open = replicas, client, check_open
+        self._verified: set[tuple[str, int]] = set()  # (slot path, seq) checked whole by check_memory()
 
     def committed_steps(self) -> list[int]:
         """Steps committed on storage by this attempt's lineage (see :mod:`.lineage`), ascending.
@@ -50,11 +66,7 @@ class LoadPath:
         Commits of attempts that this one did not continue (a run restarted from scratch in the
         same directory, a resume from an older checkpoint) are not listed: they are never loaded.
         """
-        return sorted(self._commit_records())
-
-    def _commit_records(self) -> dict[int, dict[str, Any]]:
-        view = self._lineage_view()
-        return {step: record for step, record in commit_records(self.storage).items() if view.accepts(record, step)}
+        return sorted(self.attempt.commit_records())
 
     def start_attempt(self, resumed_step: int | None = None, *, from_memory: bool = False) -> None:
         """Say how this attempt starts (collective, once; ``load()`` and the first ``save()`` say it
@@ -67,61 +79,24 @@ class LoadPath:
         lineage that wrote it.
         """
         self._check_open()
-        if self._decided:
+        if self.attempt.decided:
             return
         if resumed_step is None:
-            self._begin(None, None)
+            self.attempt.begin(None, None)
             return
         if from_memory:  # rank 0's tag names the lineage; every rank holds the step (the caller checked)
-            snapshot = self._memory_snapshots().get(resumed_step)
+            snapshot = self.memory_snapshots().get(resumed_step)
             parent = (snapshot[1].get("tag") if snapshot is not None else None) or {}
         else:  # every rank reads the same record
-            parent = self._any_record(resumed_step, self._commit_records())
+            parent = self.attempt.any_record(resumed_step, self.attempt.commit_records())
             if parent is None:
                 raise CheckpointNotFoundError(
                     f"step {resumed_step} is not committed in {self.url}; committed: {self.committed_steps()}")
-        self._begin(parent, resumed_step)
-
-    def _begin(self, parent: Mapping[str, Any] | None, fork_step: int | None, *, by_save: bool = False) -> None:
-        """Record this attempt's lineage (rank 0) and share its view with every rank.
-
-        ``by_save``: the first save opens the attempt; its record is written while that save
-        copies (the save seals its slot only once the record is on storage)."""
-        if self._world_agrees():
-            view = None
-            if self.rank == 0:
-                view, record = lineage.begin(self.storage, parent, fork_step, record_fresh=not by_save)
-                self._unpublished = record if parent is not None or by_save else None
-            view_dict = collectives.all_gather_object(view.to_dict() if view is not None else None,
-                                                      self.world_size, self.process_group)[0]
-            view = lineage.View.from_dict(view_dict)
-        else:  # ranks without a process group cannot agree on a new lineage: they continue the newest
-            current = lineage.provisional_view(self.storage)
-            view = lineage.View(lineage.ensure_identity(self.storage), current.caps[0][0], current.caps)
-        self._view, self._decided = view, True
-        logger.debug("[RANK %d] attempt lineage %s (resumed %s at %s)", self.rank, view.lineage,
-                     parent and parent.get("lineage"), fork_step)
-
-    def _publish_attempt(self, record: dict[str, Any]) -> None:
-        published = lineage.publish(self.storage, record)
-        if published["lineage"] != record["lineage"]:
-            logger.error("[RANK %d] another job started attempt %d in %s at the same time; this job's snapshots "
-                         "are stamped with it too and may not load after a restart. Give each job its own "
-                         "checkpoint directory", self.rank, record["lineage"], self.url)
-
-    def _world_agrees(self) -> bool:
-        """Whether the ranks can agree through a collective (a process group, or one rank)."""
-        return self.world_size == 1 or collectives._initialized()
-
-    def _lineage_view(self) -> lineage.View:
-        """What this attempt may load: decided, or (before it decides) the newest lineage's view."""
-        if self._view is None:
-            self._view = lineage.provisional_view(self.storage)
-        return self._view
+        self.attempt.begin(parent, resumed_step)
 
     def memory_steps(self) -> list[int]:
         """Steps held complete in this rank's slots, ascending."""
-        return sorted(self._memory_snapshots())
+        return sorted(self.memory_snapshots())
 
     def recover_replicas(self, step: int | None = None) -> int | None:
         """Where a rank's node lost its memory, fetch a step from a peer's replica into its slot.
@@ -134,16 +109,16 @@ class LoadPath:
         step). :meth:`load` does this itself; an adapter that decides the step to resume from on
         its own calls this first.
         """
-        if not self._replicas.enabled:
+        if not self.replicas.enabled:
             return None
         self._check_open()
-        self.wait_for_snapshot()
-        memory = self._memory_snapshots()
+        self.saves.wait_for_snapshot()
+        memory = self.memory_snapshots()
         committed = self.committed_steps()
-        self._replicas.prepare_load()
+        self.replicas.prepare_load()
         views, in_every_rank = self._agree(memory, committed[-1] if committed else None)
         before = set(in_every_rank)
-        _, in_every_rank = self._replicas.resolve(memory, views, in_every_rank, views[0][1], step)
+        _, in_every_rank = self.replicas.resolve(memory, views, in_every_rank, views[0][1], step)
         fetched = in_every_rank - before
         return max(fetched) if fetched else None
 
@@ -156,9 +131,9 @@ class LoadPath:
         A snapshot checked here is not checked again by the next restore in this process.
         """
         self._check_open()
-        self.wait_for_snapshot()
-        self._sums.wait()
-        snapshot = self._memory_snapshots().get(step)
+        self.saves.wait_for_snapshot()
+        self.sums.wait()
+        snapshot = self.memory_snapshots().get(step)
         error = "no snapshot of this step" if snapshot is None else None
         if snapshot is not None:
             slot, meta = snapshot
@@ -183,7 +158,7 @@ class LoadPath:
             return verify.open_check(slot, header, meta)
         except verify.UnverifiedSnapshotError:
             try:
-                self._client.connect()
+                self.client.connect()
             except FlashCkptError as exc:
                 logger.debug("[RANK %d] no saver to sum step %d: %s", self.rank, header.step, exc)
             return verify.open_check(slot, header, meta)
@@ -216,11 +191,11 @@ class LoadPath:
         ``LoadResult.tiers`` says which tier served each rank.
         """
         self._check_open()
-        self.wait_for_snapshot()
-        self._sums.wait()  # this process's own snapshots are verified against tables it is writing
+        self.saves.wait_for_snapshot()
+        self.sums.wait()  # this process's own snapshots are verified against tables it is writing
         weights_only = self.config.weights_only if weights_only is None else weights_only
         if prefer_memory:
-            self._replicas.prepare_load()
+            self.replicas.prepare_load()
         fallback, started = _Fallback(), time.perf_counter()  # the log gives the whole restore, fallbacks too
         while True:
             choice = self._choose(step, prefer_memory, fallback)
@@ -246,16 +221,16 @@ class LoadPath:
         """The step every rank restores next (collective): the newest one every rank holds in
         memory (its own slot or a peer's replica) at least as new as the newest commit, else the
         newest commit; steps that failed verification are left out."""
-        memory = self._memory_snapshots() if prefer_memory else {}
+        memory = self.memory_snapshots() if prefer_memory else {}
         memory = {s: v for s, v in memory.items() if s not in fallback.memory}
-        records = {s: r for s, r in self._commit_records().items() if s not in fallback.commits}
+        records = {s: r for s, r in self.attempt.commit_records().items() if s not in fallback.commits}
         committed = sorted(records)
         views, in_every_rank = self._agree(memory, committed[-1] if committed else None)
         newest_commit = views[0][1]
         fetched = False
         if prefer_memory:  # a rank whose node lost its memory may fetch the step from a peer's replica
             before = set(memory)
-            memory, in_every_rank = self._replicas.resolve(memory, views, in_every_rank, newest_commit, step)
+            memory, in_every_rank = self.replicas.resolve(memory, views, in_every_rank, newest_commit, step)
             memory = {s: v for s, v in memory.items() if s not in fallback.memory}
             in_every_rank -= fallback.memory
             fetched = bool(set(memory) - before)
@@ -270,14 +245,14 @@ class LoadPath:
 
     def _decide(self, choice: _Choice) -> None:
         """This attempt continues the lineage of what it loaded, or starts one (once)."""
-        if self._decided:
+        if self.attempt.decided:
             return
         if choice.step is None:
-            self._begin(None, None)
+            self.attempt.begin(None, None)
         else:
             tag = (choice.snapshots[choice.step][1].get("tag") if choice.memory
-                   else self._any_record(choice.step, choice.records))
-            self._begin(tag, choice.step)
+                   else self.attempt.any_record(choice.step, choice.records))
+            self.attempt.begin(tag, choice.step)
 
     def _restore(self, choice: _Choice, target: Any, map_location: Any, weights_only: bool, *, fused: bool
                  ) -> tuple[Any, str, str, str | None]:
@@ -289,17 +264,17 @@ class LoadPath:
         a commit exists to restore over them); otherwise everything is checked before the copy.
         """
         step = choice.step
-        tier = ("replica" if choice.fetched and self._replicas.fetched and self._replicas.fetched.get("step") == step
+        tier = ("replica" if choice.fetched and self.replicas.fetched and self.replicas.fetched.get("step") == step
                 else "memory") if choice.memory else "storage"
         try:
             if choice.memory:
                 slot, meta = choice.snapshots[step]
                 files = self._restore_memory(slot, meta, target, map_location, weights_only, fused)
-                self._replicas.restored(slot)
+                self.replicas.restored(slot)
             else:
                 files = self._load_from_storage(step, weights_only, map_location)
                 if target is not None:
-                    files = copy_into_target(files, self._files(target, None) if not is_files(target) else target)
+                    files = copy_into_target(files, self._target_files(target))
         except (CorruptCheckpointError, OSError, StorageError) as exc:
             return None, "failed", tier, f"{type(exc).__name__}: {exc}"
         except Exception as exc:
@@ -340,8 +315,12 @@ class LoadPath:
                  for f in meta["files"]}
         if target is None:
             return files
-        return copy_into_target(files, self._files(target, None) if not is_files(target) else target, locations,
+        return copy_into_target(files, self._target_files(target), locations,
                                 fuse)
+
+    def _target_files(self, target: Any) -> Any:
+        """A restore's ``target`` as the files ``save`` named: a ``{path: object}`` map, or the rank's one file."""
+        return target if is_files(target) else files_of(self.rank, target, None)
 
     def read_file(self, step: int, path: str, codec: Codec | str = Codec.TORCH, **kwargs: Any) -> Any:
         """Read any file of committed ``step`` from storage (for loading into another layout)."""
@@ -351,19 +330,13 @@ class LoadPath:
         base = files_dir(self.storage, self.layout, step, record)
         return read_file(self.storage, f"{base}/{path}", Codec(codec), **kwargs)
 
-    def _any_record(self, step: int, records: Mapping[int, dict[str, Any]]) -> dict[str, Any] | None:
-        """The commit record of ``step``: this lineage's, or (an explicit older step) any commit's."""
-        return records.get(step) or commit_record(self.storage, step)
-
-    # --- loading internals -----------------------------------------------------------------
-
-    def _memory_snapshots(self) -> dict[int, tuple[Slot, dict[str, Any]]]:
+    def memory_snapshots(self) -> dict[int, tuple[Slot, dict[str, Any]]]:
         """Complete, checksum-verified snapshots of this rank, by step (newest seq wins)."""
-        self._wait_sealed()  # a first save returned before its seal: it is listed once sealed
+        self.attempt.wait_sealed()  # a first save returned before its seal: it is listed once sealed
         found: dict[int, tuple[int, Slot, dict[str, Any]]] = {}
-        for index in range(len(self._slots)):
+        for index in self.slots.indices():
             try:
-                slot = self._slot(index)
+                slot = self.slots.get(index)
                 header = slot.read_header() if slot is not None else None
                 if header is None or header.state is not SlotState.COMPLETE:
                     continue
@@ -384,7 +357,7 @@ class LoadPath:
     def _accept_snapshot(self, slot: Slot, step: int, meta: dict[str, Any]) -> bool:
         """Whether a complete snapshot belongs to this attempt's view; one of a deleted or replaced
         directory is discarded (its slot is reused by the next save)."""
-        view = self._lineage_view()
+        view = self.attempt.view()
         tag = meta.get("tag")
         if view.accepts(tag, step):
             return True
@@ -422,11 +395,6 @@ def _keep_on_host(locations: dict[int, str], storage: torch.UntypedStorage, loca
     """A ``map_location`` that leaves a storage where it is (a view of the slot) and notes where it was saved."""
     locations[storage.data_ptr()] = location
     return storage
-
-
-def locked_by_saver(slot: Slot) -> bool:
-    """The saver holds an exclusive lock on a slot file while it persists it."""
-    return lock_held(slot.path, exclusive_only=True)
 
 
 @dataclass
