@@ -176,9 +176,8 @@ def run_demo(workdir: str, timeout: float, extra: list[str]) -> dict:
         if f"SIGKILL after the save at step {CRASH_AT}" not in f.read():
             raise DemoError(f"the run failed before reaching step {CRASH_AT} (exit code {rc}). Log: {logs['crash']}\n"
                             f"{_tail(logs['crash'])}")
-    print(f"   -> torchrun exited with code {rc}: the job was killed, as intended (newest periodic checkpoint "
-          f"on disk: step {CRASH_AT // PERSIST_EVERY * PERSIST_EVERY}; with torchrun gone, the node's saver "
-          f"persists step {CRASH_AT} from memory as well)")
+    print(f"   -> torchrun exited with code {rc}: the job was killed, as intended "
+          f"(newest checkpoint on disk: step {CRASH_AT // PERSIST_EVERY * PERSIST_EVERY})")
     slots = job_leftovers(crash_dir)[1]
     if not slots:
         raise DemoError("the killed job left no shared-memory slots behind; something removed them")

@@ -22,18 +22,12 @@ Call order, in the saver process:
    never half-committed: a commit is one record written last.
 3. The saver exits (its threads are not joined: a commit that waits for a lost node's ranks must
    not outlive the grace).
-
-When only the launcher is signalled (``torchrun`` as a container's main process: it passes
-SIGTERM on to its workers and exits, and the saver, in a session of its own, gets nothing), the
-saver sees the launcher it watches gone while ranks left without closing, and runs the same drain
-on a thread (:func:`drain_after_launcher`), serving a relaunch meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import threading
 import time
 from typing import Any, Protocol
 
@@ -95,25 +89,10 @@ def serve_until(saver: Drainable) -> float:
     return deadline - MARGIN_S - reserve
 
 
-def drain_after_launcher(saver: Drainable) -> threading.Thread:
-    """The launcher the saver watches is gone and a rank left without closing: the job is over on
-    this node (stopped, e.g. SIGTERM to ``torchrun`` alone, or failed for good). Persist what only
-    memory holds within the grace, on a thread of its own: the saver goes on serving meanwhile, so
-    that a job relaunched on this node is served as usual (it may resume from the same memory)."""
-    deadline = time.monotonic() + grace_s()
-    logger.warning("the launcher is gone and rank(s) left without closing: persisting what only memory holds "
-                   "within %.0fs", grace_s())
-    thread = threading.Thread(target=drain, args=(saver, deadline), name="flashckpt-drain", daemon=True)
-    thread.start()
-    return thread
-
-
-def drain(saver: Drainable, deadline: float | None = None) -> rescue.RescueResult | None:
+def drain(saver: Drainable) -> rescue.RescueResult | None:
     """Finish the persists in flight, then persist (and commit, on rank 0's node) the newest
-    step in memory newer than the newest commit, all before ``deadline`` (default: the saver's
-    ``stop_deadline``)."""
-    if deadline is None:
-        deadline = saver.stop_deadline if saver.stop_deadline is not None else time.monotonic() + grace_s()
+    step in memory newer than the newest commit, all before ``saver.stop_deadline``."""
+    deadline = saver.stop_deadline if saver.stop_deadline is not None else time.monotonic() + grace_s()
     while saver.persists_in_flight() and time.monotonic() < deadline - MARGIN_S:
         time.sleep(0.02)
     if saver.persists_in_flight():

@@ -11,9 +11,8 @@ recovery of what dead ranks left, when to exit).
 
 It outlives a crashed trainer (finishing what it was given), so the restarted trainer finds
 it again, and it exits once nothing is left in flight and the job is over: every rank closed
-cleanly, or the launcher process it watches is gone and no rank is connected (when a rank had
-left without closing, once it has persisted what only memory holds: :mod:`.preemption`), or no
-rank has been connected for ``--idle-exit`` seconds. The snapshots live in /dev/shm, not in the saver:
+cleanly, or the launcher process it watches is gone and no rank is connected, or no rank has
+been connected for ``--idle-exit`` seconds. The snapshots live in /dev/shm, not in the saver:
 a restarted rank that finds no saver starts a new one and still restores from memory.
 
 Wire protocol: one JSON object per line. Requests carry ``op`` ("hello", "persist", "attach",
@@ -102,8 +101,6 @@ class Saver:
         self.pending_lock = threading.Lock()
         self.stop_deadline: float | None = None
         """Set when the job is being stopped (SIGTERM, SIGINT): see :mod:`.preemption`."""
-        self.after_launcher: threading.Thread | None = None
-        """The drain started when the watched launcher was gone with ranks lost (see :mod:`.preemption`)."""
         self.longest_persist_s = 0.0
         """The longest persist so far: how much of the grace a stopped saver keeps for its drain."""
         self.recovered: set[tuple[str, int]] = set()
@@ -125,10 +122,7 @@ class Saver:
             settle = time.monotonic() + preemption.SETTLE_S
             while self._ranks_connected() and time.monotonic() < max(settle, preemption.serve_until(self)):
                 self._serve_once(listener, timeout=0.05)
-            if self.after_launcher is not None and self.after_launcher.is_alive():  # draining already
-                self.after_launcher.join(max(0.0, self.stop_deadline - preemption.MARGIN_S - time.monotonic()))
-            else:
-                preemption.drain(self)
+            preemption.drain(self)
             logger.info("saver %d exiting", os.getpid())
             self.replication.close(remove=False)
             return
@@ -154,10 +148,6 @@ class Saver:
             logger.info("every rank closed cleanly; the job is over")
             return True
         if not self._launcher_alive():
-            if self.after_launcher is None and self.lost_ranks:  # the job is over on this node, uncleanly
-                self.after_launcher = preemption.drain_after_launcher(self)
-            if self.after_launcher is not None and self.after_launcher.is_alive():
-                return False
             logger.info("launcher pid %d is gone and no rank is connected", self.watch_pid)
             return True
         if time.monotonic() - self.idle_since > self.idle_exit_s:

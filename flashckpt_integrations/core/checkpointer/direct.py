@@ -71,7 +71,7 @@ def fallback(
 
 
 def _persist(storage: Storage, layout: Layout, plan: SnapshotPlan, request: dict[str, Any]) -> None:
-    """Write one rank's files and its done marker (or its failed marker), as ``Saver.persist`` does."""
+    """Write one rank's files and its done marker (or its failed marker), as the saver's Persister does."""
     try:
         base = commit_protocol.claim(storage, layout, request)
         entries = _write_files(storage, base, plan)
