@@ -139,8 +139,9 @@ class AccelerateCheckpointer:
         self.layout = Layout(step_dir=step_dir, tracker=None, staging=True)
         self.checkpointer = Checkpointer(self.root, self._make_config(config, project.total_limit))
         self.resumed_from: tuple[int, str] | None = None
-        self._attached: set[int] = set()
         """``(step, "memory" | "storage")`` of the last ``load_state``, or None."""
+        self._attached: set[int] = set()
+        self._saved_since_restore = False
 
     def _make_config(self, given: Any, total_limit: int | None) -> CheckpointerConfig:
         if isinstance(given, CheckpointerConfig):
@@ -173,6 +174,7 @@ class AccelerateCheckpointer:
                 raise ValueError("save_state() needs the step when automatic_checkpoint_naming is off: "
                                  "save_state(step)")
             step = project.iteration
+        self._warn_if_behind_the_restore(step)
         self._attach_optimizers()
         files = self._files(step, safe_serialization)
         result = self.checkpointer.save(step, files=files, persist=persist)
@@ -183,6 +185,38 @@ class AccelerateCheckpointer:
         log_save(logger, self.checkpointer.rank, "accelerate save_state", result, self.checkpoint_path(step),
                  time.perf_counter() - started)
         return result
+
+    def _warn_if_behind_the_restore(self, step: int) -> None:
+        """A first save after a restore of step S, of a step below S: the loop was almost surely not
+        told where to resume (it trains steps 1, 2, ... again on top of step S's state). Said once,
+        at WARNING; a committed folder of that step is replaced only after this warning."""
+        first, self._saved_since_restore = not self._saved_since_restore, True
+        if not first or self.resumed_from is None or step >= self.resumed_from[0]:
+            return
+        resumed = self.resumed_from[0]
+        replaced = (f"; it replaces the committed {self.checkpoint_path(step)}"
+                    if step in self.checkpointer.committed_steps() else "")
+        logger.warning(
+            "flashckpt: saving step %d right after restoring step %d: the training loop was not told where to "
+            "resume, so it is training steps it already trained on top of step %d's state%s. Start the loop "
+            "after the restored step: flash.resume_point(batches_per_epoch) gives the epoch and the batches to "
+            "skip", step, resumed, resumed, replaced)
+
+    def resume_point(self, batches_per_epoch: int, *, gradient_accumulation_steps: int = 1) -> tuple[int, int]:
+        """Where a loop of the accelerate examples' shape resumes after ``load_state``: ``(epoch, batches
+        to skip in that epoch)``, from the restored step (``(0, 0)`` when nothing was restored).
+
+        The step is what the loop passed to ``save_state`` (``step_<N>``: optimizer steps, or batches
+        with ``gradient_accumulation_steps``). Skip the batches with
+        ``accelerator.skip_first_batches(loader, skip)`` in that epoch only.
+        """
+        if batches_per_epoch < 1 or gradient_accumulation_steps < 1:
+            raise ValueError(f"batches_per_epoch ({batches_per_epoch}) and gradient_accumulation_steps "
+                             f"({gradient_accumulation_steps}) must be at least 1")
+        if self.resumed_from is None:
+            return 0, 0
+        batches = self.resumed_from[0] * gradient_accumulation_steps
+        return batches // batches_per_epoch, batches % batches_per_epoch
 
     def _attach_optimizers(self) -> None:
         """With ``async_snapshot``, make each prepared optimizer's step wait for the overlapped copy
@@ -255,7 +289,9 @@ class AccelerateCheckpointer:
         project = self.accelerator.project_configuration
         if project.automatic_checkpoint_naming:
             project.iteration = step + 1
-        logger.info("flashckpt: restored step %d from %s", step, self.resumed_from[1])
+        where = "shared memory" if self.resumed_from[1] == "memory" else self.checkpoint_path(step)
+        logger.warning("flashckpt: resumed from step %d (%s); the next save should be of a later step", step, where)
+        self._saved_since_restore = False
         return self.resumed_from
 
     def _held_by_all(self, step: int) -> bool:
@@ -353,7 +389,9 @@ def enable(
     accepts the checkpoint's own folder (``.../checkpoint_<N>``). ``load_state()`` restores the
     newest snapshot (memory or storage) and does nothing when there is none; ``load_state(path)``
     of a folder of ours restores that step (from memory when held there), any other path is read
-    by the stock code. Returns the checkpointer (for memory-only saves, ``wait`` and ``close``).
+    by the stock code. A restore returns ``(step, "memory" | "storage")`` and says so in a WARNING
+    (scripts rarely configure logging). Returns the checkpointer (for memory-only saves,
+    ``resume_point``, ``wait`` and ``close``).
     """
     flash = AccelerateCheckpointer(accelerator, checkpoint_dir, config=config)
     stock_load = accelerator.load_state
@@ -366,10 +404,10 @@ def enable(
             raise FlashCkptError(f"save_state of step {result.step} did not happen: {result.reason}")
         return flash.checkpoint_path(result.step)
 
-    def load_state(input_dir: str | None = None, **kwargs: Any) -> None:
+    def load_state(input_dir: str | None = None, **kwargs: Any) -> tuple[int, str] | None:
         if input_dir is not None and _STEP_RE.search(os.path.normpath(os.fspath(input_dir))) is None:
             return stock_load(input_dir, **kwargs)
-        flash.load_state(None if input_dir is None else _our_step(flash, input_dir, "load_state"))
+        return flash.load_state(None if input_dir is None else _our_step(flash, input_dir, "load_state"))
 
     accelerator.save_state = save_state
     accelerator.load_state = load_state

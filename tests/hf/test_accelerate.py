@@ -151,6 +151,42 @@ def test_a_resume_from_storage_is_still_found_by_the_restart_after_it(tmp_path):
         flash.close()  # the memory-only snapshot is lost, as in a crash on another node
 
 
+def test_a_restore_says_where_it_resumed_and_a_loop_that_starts_over_is_warned(tmp_path, caplog):
+    """The README's restart line alone (the loop not told where to start) would train steps 1.. again
+    on top of the restored state and replace a committed folder: a WARNING says so, at its first save."""
+    caplog.set_level(logging.WARNING, logger="flashckpt_integrations")
+    accelerator, model, optimizer, scheduler, counter = _setup(tmp_path / "proj")
+    flash = enable(accelerator)
+    _train(model, optimizer, scheduler, counter, 3)
+    assert flash.save_state(3).wait().committed
+    _train(model, optimizer, scheduler, counter, 3)
+    assert flash.save_state(6, persist=False).ok
+    flash.checkpointer.shutdown(clean=False)  # a crash: the memory stays for the restart
+
+    accelerator, model, optimizer, scheduler, counter = _setup(tmp_path / "proj", seed=1)
+    flash = enable(accelerator)
+    assert flash.resume_point(4) == (0, 0)  # nothing restored yet
+    caplog.clear()
+    assert accelerator.load_state() == (6, "memory")
+    assert [r.getMessage() for r in caplog.records] == [
+        "flashckpt: resumed from step 6 (shared memory); the next save should be of a later step"]
+    assert flash.resume_point(4) == (1, 2) and flash.resume_point(2, gradient_accumulation_steps=2) == (6, 0)
+    with pytest.raises(ValueError, match="must be at least 1"):
+        flash.resume_point(0)
+    caplog.clear()
+    assert flash.save_state(3).wait().committed  # the loop started over
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "saving step 3 right after restoring step 6" in warning and "resume_point" in warning
+    assert f"it replaces the committed {tmp_path / 'proj' / 'checkpoints' / 'checkpoint_3'}" in warning
+    caplog.clear()
+    assert flash.save_state(4, persist=False).ok  # said once
+    assert accelerator.load_state() == (4, "memory")
+    caplog.clear()
+    assert flash.save_state(5, persist=False).ok  # a loop that starts after the restored step: no warning
+    assert caplog.records == []
+    flash.close()
+
+
 def test_bad_input_is_refused_with_what_to_do(tmp_path):
     accelerator, model, *_ = _setup(tmp_path / "proj")
     with pytest.raises(ValueError, match="leave checkpoint_dir out"):
