@@ -23,6 +23,8 @@ Configurations:
   every 10; SIGTERM to every process.
 - ``engine-agent``: the same, SIGTERM to torchrun only (it passes SIGTERM on to its workers).
 - ``engine-stopsignal``: ``engine-all`` with :class:`~flashckpt_integrations.StopSignal` in the loop.
+- ``engine-agent-stopsignal``: ``engine-agent`` with ``StopSignal`` in the loop (torchrun passes
+  SIGTERM on to its workers and waits for them).
 - ``flashckpt-run``: the engine API under ``flashckpt-run``, SIGTERM to the launcher only.
 
     python benchmarks/campaign_preemption.py --trials 10 --json benchmarks/preemption.json
@@ -69,6 +71,8 @@ CONFIGS = {
     "engine-agent": {"kind": "engine", "launcher": "torchrun", "term": "agent", "args": []},
     "engine-stopsignal": {"kind": "engine", "launcher": "torchrun", "term": "all",
                           "args": ["--last-save-on-sigterm"]},
+    "engine-agent-stopsignal": {"kind": "engine", "launcher": "torchrun", "term": "agent",
+                                "args": ["--last-save-on-sigterm"]},
     "flashckpt-run": {"kind": "engine", "launcher": "flashckpt-run", "term": "agent", "args": []},
 }
 

@@ -26,7 +26,7 @@ import contextlib
 import json
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import StorageError
@@ -51,16 +51,29 @@ class Layout:
     """Template of the tracker's content; ``{step}`` and ``{step_dir}`` are filled in."""
     staging: bool = False
     """Write into a staging directory and rename it into place at commit."""
+    folder: str | None = None
+    """One save's own directory, relative to the root, in place of ``step_dir`` (a per-save
+    destination: ``Checkpointer.save(step, ..., folder=...)`` sets it on the save's layout)."""
 
     def __post_init__(self) -> None:
         if "{step" not in self.step_dir:
             raise ValueError(f"step_dir template {self.step_dir!r} must contain '{{step}}'")
+        if self.folder is not None:
+            parts = self.folder.replace("\\", "/").split("/")
+            if (not self.folder or self.folder.startswith("/") or ".." in parts or "" in parts
+                    or parts[0] == META_DIR):
+                raise ValueError(f"folder {self.folder!r} must be a path relative to the checkpoint directory, "
+                                 f"without '..' or empty parts, outside {META_DIR}/")
+
+    def for_folder(self, folder: str | None) -> Layout:
+        """This layout with one save's own directory (``folder``), or as it is for None."""
+        return self if folder is None else replace(self, folder=folder)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def step_path(self, step: int) -> str:
-        return self.step_dir.format(step=step)
+        return self.folder if self.folder is not None else self.step_dir.format(step=step)
 
     def write_path(self, step: int, sid: str = "", *, supersede: bool = False) -> str:
         """Directory the ranks of save ``sid`` write into before the commit.

@@ -201,13 +201,15 @@ class Persister:
         self.finish_deletions(storage, records)
         for step in policy.select_deletions(list(records), key=lambda s: lineage.order_key(records[s], s)):
             started = time.monotonic()
+            # the step's own directory, as its record names it (a save may have had a folder of its own)
+            folder = records[step].get("step_dir") or layout.step_path(step)
             try:
                 # The tombstone first: a pass cut short below leaves a step that says it is being deleted.
                 write_json(storage, f"{layout.marker_dir(step)}/{DELETING}",
-                           {"step": step, "files": layout.step_path(step), "record": records[step], "time": now()})
+                           {"step": step, "files": folder, "record": records[step], "time": now()})
                 storage.remove(f"{layout.marker_dir(step)}/{COMMITTED}")
                 fault_point("retention.delete")  # uncommitted, its files not yet deleted
-                storage.remove(layout.step_path(step))
+                storage.remove(folder)
                 storage.remove(layout.marker_dir(step))
             except Exception as exc:
                 logger.error("retention could not delete step %d: %s", step, exc)

@@ -97,3 +97,27 @@ def test_a_job_killed_while_retention_deletes_a_step_leaves_nothing_behind(make_
               timeout=15)
     assert not marker_dir.exists()
     assert ck.committed_steps() == [3]
+
+
+def test_a_save_into_a_folder_of_its_own_is_committed_there_and_retention_deletes_that_folder(make_checkpointer,
+                                                                                             tmp_path):
+    """``save(step, folder=...)``: the step lands in the caller's folder (nested or not), loads from there,
+    and retention deletes the folder its commit record names, not the layout's ``step-<N>``."""
+    ckpt = tmp_path / "ckpt"
+    ck = make_checkpointer(ckpt, retention=RetentionPolicy(keep_last=2))
+    decoy = ckpt / "step-1"  # what the layout would name step 1: not this save's, never deleted
+    decoy.mkdir(parents=True)
+    (decoy / "keep.txt").write_text("mine")
+    assert ck.save(1, {"w": torch.full((4,), 1.0)}, folder="runs/a/step_1").wait(60).committed
+    assert (ckpt / "runs" / "a" / "step_1" / "rank-0.pt").exists()
+    assert ck.save(2, {"w": torch.full((4,), 2.0)}, folder="epoch_1").wait(60).committed
+    assert ck.save(3, {"w": torch.full((4,), 3.0)}).wait(60).committed  # the layout's own folder
+    _wait_for(lambda: not (ckpt / "runs" / "a" / "step_1").exists(), timeout=15)
+    assert ck.committed_steps() == [2, 3] and (decoy / "keep.txt").read_text() == "mine"
+    assert torch.equal(torch.load(ckpt / "epoch_1" / "rank-0.pt", weights_only=True)["w"], torch.full((4,), 2.0))
+    assert torch.equal(ck.load(2, prefer_memory=False).state["w"], torch.full((4,), 2.0))
+    assert torch.equal(ck.load(3, prefer_memory=False).state["w"], torch.full((4,), 3.0))
+    for bad in ("../elsewhere", "/abs/path", ".flashckpt/x", "a//b", ""):
+        with pytest.raises(ValueError, match="must be a path relative to the checkpoint directory"):
+            ck.save(4, {"w": torch.zeros(4)}, folder=bad)
+    assert ck.committed_steps() == [2, 3]

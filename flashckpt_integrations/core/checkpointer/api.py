@@ -153,12 +153,15 @@ class Checkpointer:
         persist: bool = True,
         async_snapshot: bool | None = None,
         metadata: Mapping[str, Any] | None = None,
+        folder: str | None = None,
     ) -> SaveResult:
         """Snapshot ``state`` (or ``files``) for ``step`` into memory and optionally persist it.
 
         Call it on every rank (a rank with nothing to save passes ``files={}``): the commit
         waits for every rank. Returns at once with the outcome; it never drops a checkpoint
         silently: a save that cannot happen returns ``SKIPPED`` or ``FAILED`` with the reason.
+        ``folder``: this save's directory, relative to the checkpoint directory, in place of the
+        layout's ``step_dir`` (the same on every rank); retention deletes it by its commit record.
         """
         started = time.perf_counter()
         self._check_open()
@@ -166,7 +169,7 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         specs = normalize_files(files_of(self.rank, state, files))
         overlap = self.config.async_snapshot if async_snapshot is None else async_snapshot
-        result = self.saves.save(step, specs, persist, overlap, metadata)
+        result = self.saves.save(step, specs, persist, overlap, metadata, folder)
         if result.status in (SaveStatus.SKIPPED, SaveStatus.FAILED):
             logger.error("[RANK %d] save of step %d %s: %s", self.rank, result.step, result.status.value, result.reason)
         elif result.status is SaveStatus.PERSISTING:

@@ -88,11 +88,12 @@ class PersistRequests:
 
     # --- a request --------------------------------------------------------------------------------
 
-    def target(self) -> dict[str, Any]:
-        """Where and how this rank's snapshots are persisted; every slot's metadata carries it."""
+    def target(self, layout: Layout | None = None) -> dict[str, Any]:
+        """Where and how this rank's snapshots are persisted (``layout``: a save's own, with its
+        folder); every slot's metadata carries it."""
         return {
             "root": self.url, "storage_options": self.config.storage_options,
-            "storage_factory": self.config.storage_factory, "layout": self.layout.to_dict(),
+            "storage_factory": self.config.storage_factory, "layout": (layout or self.layout).to_dict(),
             "retention": self.config.retention.to_dict(), "commit_timeout": self.config.commit_timeout_s,
         }
 
@@ -102,29 +103,32 @@ class PersistRequests:
         self._saves_of[step] = count + 1
         return f"a{view.lineage}" + (f"g{count}" if count else "")
 
-    def describe(self, step: int, seq: int, slot_path: str, sid: str, tag: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, step: int, seq: int, slot_path: str, sid: str, tag: dict[str, Any],
+                 layout: Layout | None = None) -> dict[str, Any]:
         """What the saver needs to persist one snapshot (sent to it, and kept in the slot)."""
         request = {"rank": self.rank, "world_size": self.world_size, "step": step, "seq": seq, "slot": slot_path,
-                   "sid": sid, "tag": tag, "pid": os.getpid(), "writer": self.writer, **self.target()}
+                   "sid": sid, "tag": tag, "pid": os.getpid(), "writer": self.writer, **self.target(layout)}
         if slot_path == self.held_path:
             request["held"] = True  # the saver unmaps it afterwards: its memory goes once it is released
         return request
 
-    def submit(self, slot: Slot, step: int, seq: int, sid: str, tag: dict[str, Any], durable: Future) -> None:
-        """Queue the request for a sealed (or, streamed, a sealing) slot; ``durable`` gets the answer."""
+    def submit(self, slot: Slot, request: dict[str, Any], durable: Future) -> None:
+        """Queue ``request`` (:meth:`describe`) for a sealed (or, streamed, a sealing) slot;
+        ``durable`` gets the answer."""
         try:
-            self._requester.submit(self._request, slot, step, seq, sid, tag, durable)
+            self._requester.submit(self._request, slot, request, durable)
         except RuntimeError:  # the interpreter is exiting (a helper thread sealed it): executors
             self._requester.shutdown(wait=True)  # take no new work; the requests before this go
-            self._request(slot, step, seq, sid, tag, durable)  # first, then this one, here
+            self._request(slot, request, durable)  # first, then this one, here
 
-    def _request(self, slot: Slot, step: int, seq: int, sid: str, tag: dict[str, Any], durable: Future) -> None:
+    def _request(self, slot: Slot, described: dict[str, Any], durable: Future) -> None:
         """Hand a slot to the saver and wait until the rank's files are durable.
 
         Runs on the request thread, in save order. A saver that dies is restarted and asked
         again once: the slot still holds the snapshot, and rewriting files is idempotent.
         """
-        request = {"op": TrainerOp.PERSIST, **self.describe(step, seq, slot.path, sid, tag)}
+        request = {"op": TrainerOp.PERSIST, **described}
+        step, seq = described["step"], described["seq"]
         answer: dict[str, Any] | None = {}
         left = {"ok": False, "error": f"the process left before step {step} was persisted; the node's saver "
                 "persists it from the slot"}

@@ -27,6 +27,7 @@ from ..._utils.faults import after_region, fault_point
 from ...config import CheckpointerConfig
 from ...errors import SharedMemoryError
 from .. import verify
+from ..layout import Layout
 from ..replication.rank import ReplicaHook
 from ..results import SaveResult, SaveStatus
 from ..shm_buffer import HEADER_SIZE, Slot
@@ -59,7 +60,7 @@ class PendingSave:
     step: int
     seq: int
     sid: str
-    tag: dict[str, Any]
+    request: dict[str, Any] | None  # what the saver is asked to persist (None: memory only)
     meta_offset: int
     raw_meta: bytes
     durable: Future | None  # the saver's answer, for a persisting save
@@ -140,8 +141,9 @@ class SavePath:
                     self.slots.ensure(index, nbytes, pin=device, wait_pin=True)
 
     def save(self, step: int, specs: Mapping[str, FileSpec], persist: bool, overlap: bool,
-             metadata: Mapping[str, Any] | None) -> SaveResult:
+             metadata: Mapping[str, Any] | None, folder: str | None = None) -> SaveResult:
         """Snapshot ``specs`` for ``step`` into a slot (see ``Checkpointer.save``)."""
+        layout = self.requests.layout.for_folder(folder)
         if not self.attempt.decided:  # neither load() nor start_attempt(): this attempt starts from scratch
             self.attempt.begin(None, None, by_save=True)
         self.attempt.record_first_save()  # rank 0: beside its copy (sealed only once it is written)
@@ -154,35 +156,35 @@ class SavePath:
             extents = len(plan.regions) + len(plan.files)  # the checksum table sits before the metadata
             table, end = verify.place(plan.layout(HEADER_SIZE), extents)
             tag = self.attempt.view().tag()
-            meta = self._metadata(step, plan, tag, metadata, verify.describe(table, extents))
+            meta = self._metadata(step, plan, tag, metadata, verify.describe(table, extents), layout)
             index, reason = self.slots.choose(hold=end if persist else 0)
             if index is None:
                 return SaveResult(step, SaveStatus.SKIPPED, reason)
             seq = self.slots.next_seq()
             sid = self.requests.save_id(step, self.attempt.view()) if persist else ""
             if persist:  # in the slot too: a saver persists it even if this process dies before asking
-                meta["persist"] = self.requests.describe(step, seq, self.slots.path(index), sid, tag)
+                meta["persist"] = self.requests.describe(step, seq, self.slots.path(index), sid, tag, layout)
             raw_meta = json.dumps(meta, separators=(",", ":")).encode()
             try:
-                pending = self._take_slot(index, plan, step, seq, sid, tag, end, raw_meta, persist)
+                pending = self._take_slot(index, plan, step, seq, sid, meta.get("persist"), end, raw_meta)
             except SharedMemoryError as exc:
                 self.attempt.wait_recorded()
                 return direct.fallback(step, plan, meta, persist, exc, rank=self.rank, storage=self.requests.storage,
-                                       layout=self.requests.layout, retention=self.slots.helper,
+                                       layout=layout, retention=self.slots.helper,
                                        poll_commit=self.requests.commit_poller(sid))
             return self._start_copy(pending, persist, overlap)
 
     def _metadata(self, step: int, plan: SnapshotPlan, tag: dict[str, Any], user: Mapping[str, Any] | None,
-                  checksums: dict[str, Any]) -> dict[str, Any]:
+                  checksums: dict[str, Any], layout: Layout) -> dict[str, Any]:
         return {
             "format": 1, "step": step, "rank": self.rank, "world_size": self.world_size,
             "job": self.job_key, "time": time.time(), "user": dict(user or {}), **plan.metadata(),
-            "persist_target": self.requests.target(),  # lets a launcher or the CLI persist it later
+            "persist_target": self.requests.target(layout),  # lets a launcher or the CLI persist it later
             "tag": tag, "checksums": checksums, "writer": self.writer,
         }
 
-    def _take_slot(self, index: int, plan: SnapshotPlan, step: int, seq: int, sid: str, tag: dict[str, Any],
-                   end: int, raw_meta: bytes, persist: bool) -> PendingSave:
+    def _take_slot(self, index: int, plan: SnapshotPlan, step: int, seq: int, sid: str,
+                   request: dict[str, Any] | None, end: int, raw_meta: bytes) -> PendingSave:
         """Map (create, grow) the chosen slot and start writing into it; prepare the others."""
         pin = devices.device_index(plan)
         nbytes = end + len(raw_meta)
@@ -198,6 +200,7 @@ class SavePath:
             # for this state as this one was (its headroom is added once, by the slot, not twice)
             if other != index and self.slots.mapped(other) is None:
                 self.slots.helper.submit(self.slots.prepare, other, nbytes, pin, self.settle)
+        persist = request is not None
         if persist and not self.requests.client.connected and self.slots.held_missing():
             # the saver is not up yet: should the next save find every slot waiting for it, the
             # held slot is ready (made off the training path, where /dev/shm has room for it)
@@ -209,7 +212,7 @@ class SavePath:
             slot.write_blob(offset, blob)
         durable: Future | None = Future() if persist else None
         stream = self.config.stream_persist and persist and not on_device(plan)
-        return PendingSave(index, slot, plan, step, seq, sid, tag, end, raw_meta, durable, front, stream)
+        return PendingSave(index, slot, plan, step, seq, sid, request, end, raw_meta, durable, front, stream)
 
     def _start_copy(self, pending: PendingSave, persist: bool, overlap: bool) -> SaveResult:
         status = SaveStatus.PERSISTING if persist else SaveStatus.IN_MEMORY
@@ -258,7 +261,7 @@ class SavePath:
             p.slot.write_metadata(p.step, p.seq, p.meta_offset, p.raw_meta)
             if p.stream:
                 self.slots.mark_persisting(p.index, p.durable)
-                self.requests.submit(p.slot, p.step, p.seq, p.sid, p.tag, p.durable)
+                self.requests.submit(p.slot, p.request, p.durable)
             on_copied = _both(p.slot.publish_copied if p.stream else None,
                               p.front.copied if p.front is not None else None)
             with devices.on_side_streams(copy):  # device copies go to each device's side stream
@@ -304,7 +307,7 @@ class SavePath:
         self.sums.schedule(p.slot, p.seq, offer)
         if p.durable is not None and not p.stream:
             self.slots.mark_persisting(p.index, p.durable)
-            self.requests.submit(p.slot, p.step, p.seq, p.sid, p.tag, p.durable)
+            self.requests.submit(p.slot, p.request, p.durable)
         return None
 
     def _failed(self, p: PendingSave, exc: Exception) -> str:
