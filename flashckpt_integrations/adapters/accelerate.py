@@ -20,7 +20,9 @@ A folder appears only once every rank's files are durable (it is staged and rena
 ``ProjectConfiguration.total_limit`` is applied by the saver after each commit.
 
 Without ``automatic_checkpoint_naming`` pass ``checkpoint_dir``: checkpoints then go to
-``<checkpoint_dir>/checkpoint_<step>/`` and ``save_state(step)`` names the step. FSDP, DeepSpeed,
+``<checkpoint_dir>/checkpoint_<step>/`` and ``save_state(step)`` names the step;
+``accelerator.save_state(<checkpoint_dir>/step_<N>)`` (any folder under it whose name ends with
+its step) writes into that folder. FSDP, DeepSpeed,
 Megatron-LM and XLA accelerators are refused at ``enable()``: their state is sharded and has its own
 adapters.
 """
@@ -152,19 +154,34 @@ class AccelerateCheckpointer:
             config = dataclasses.replace(config, retention=RetentionPolicy(keep_last=total_limit))
         return config
 
-    def checkpoint_path(self, step: int) -> str:
-        """The folder of ``step``'s checkpoint (it exists once the step is committed)."""
-        return os.path.join(self.root, self.layout.step_path(step))
+    def checkpoint_path(self, step: int, folder: str | None = None) -> str:
+        """The folder of ``step``'s checkpoint (it exists once the step is committed): ``folder``
+        (relative to the checkpoint directory), the folder it was committed in, or the default name."""
+        folder = folder or self.checkpointer.committed_folder(step) or self.layout.step_path(step)
+        return os.path.join(self.root, folder)
+
+    def folder_of(self, path: str | os.PathLike) -> tuple[int, str] | None:
+        """``(step, folder relative to the checkpoint directory)`` of a checkpoint folder under it,
+        its step being the number that ends the folder's name (``step_4``, ``epoch_2``,
+        ``checkpoint_7``); None for a path elsewhere or without such a number."""
+        path = os.path.normpath(os.path.abspath(os.fspath(path)))
+        root = os.path.normpath(self.root)
+        match = _NUMBER_RE.search(os.path.basename(path))
+        if match is None or not path.startswith(root + os.sep):
+            return None
+        return int(match.group(1)), os.path.relpath(path, root).replace(os.sep, "/")
 
     # --- saving ----------------------------------------------------------------------------
 
     def save_state(self, step: int | None = None, *, persist: bool = True,
-                   safe_serialization: bool = True) -> SaveResult:
+                   safe_serialization: bool = True, folder: str | None = None) -> SaveResult:
         """Snapshot what ``Accelerator.save_state`` writes for ``step``; persist it or keep it in memory.
 
         Collective: call it on every process. ``step`` defaults to the save iteration of
         ``automatic_checkpoint_naming`` (which then advances, as with the stock ``save_state``).
-        Logs once (INFO) how long the whole call held training and where the checkpoint lands.
+        ``folder``: the checkpoint's folder relative to the checkpoint directory (the default
+        name when None). Logs once (INFO) how long the whole call held training and where the
+        checkpoint lands.
         """
         started = time.perf_counter()
         acc = self.accelerator
@@ -177,13 +194,13 @@ class AccelerateCheckpointer:
         self._warn_if_behind_the_restore(step)
         self._attach_optimizers()
         files = self._files(step, safe_serialization)
-        result = self.checkpointer.save(step, files=files, persist=persist)
+        result = self.checkpointer.save(step, files=files, persist=persist, folder=folder)
         if result.status is SaveStatus.FAILED:
             logger.error("flashckpt: step %d was not saved: %s", step, result.reason)
         if project.automatic_checkpoint_naming and step >= project.iteration:
             project.iteration = step + 1
-        log_save(logger, self.checkpointer.rank, "accelerate save_state", result, self.checkpoint_path(step),
-                 time.perf_counter() - started)
+        log_save(logger, self.checkpointer.rank, "accelerate save_state", result,
+                 os.path.join(self.root, folder or self.layout.step_path(step)), time.perf_counter() - started)
         return result
 
     def _warn_if_behind_the_restore(self, step: int) -> None:
@@ -269,7 +286,7 @@ class AccelerateCheckpointer:
         Collective. Returns ``(step, "memory" | "storage")``, or None when there is no checkpoint.
         """
         ck = self.checkpointer
-        memory = newest_memory_step(ck) if step is None else (step if self._held_by_all(step) else None)
+        memory = newest_memory_step(ck) if step is None else (step if self.held_by_all(step) else None)
         if memory is None:
             committed = ck.committed_steps()
             step = step if step is not None else (committed[-1] if committed else None)
@@ -294,7 +311,8 @@ class AccelerateCheckpointer:
         self._saved_since_restore = False
         return self.resumed_from
 
-    def _held_by_all(self, step: int) -> bool:
+    def held_by_all(self, step: int) -> bool:
+        """Whether every process holds ``step`` in memory (collective; fetches it from a peer first)."""
         from ..core import collectives
 
         self.checkpointer.recover_replicas(step)
@@ -374,7 +392,8 @@ def _aliases(model: torch.nn.Module) -> set[str]:
     return out
 
 
-_STEP_RE = re.compile(r"checkpoint_(\d+)$")
+_NUMBER_RE = re.compile(r"(\d+)$")
+"""The number that ends a checkpoint folder's name: its step (``step_4``, ``epoch_2``, ``checkpoint_7``)."""
 
 
 def enable(
@@ -386,10 +405,11 @@ def enable(
     """Route ``accelerator.save_state`` / ``load_state`` through an :class:`AccelerateCheckpointer`.
 
     ``save_state(output_dir=None)`` persists the next automatic checkpoint; ``save_state(path)``
-    accepts the checkpoint's own folder (``.../checkpoint_<N>``). ``load_state()`` restores the
-    newest snapshot (memory or storage) and does nothing when there is none; ``load_state(path)``
-    of a folder of ours restores that step (from memory when held there), any other path is read
-    by the stock code. A restore returns ``(step, "memory" | "storage")`` and says so in a WARNING
+    persists into ``path``, any folder under the checkpoint directory whose name ends with its step
+    (``step_<N>``, ``epoch_<N>``, ``checkpoint_<N>``). ``load_state()`` restores the newest snapshot
+    (memory or storage) and does nothing when there is none; ``load_state(path)`` of a folder this
+    job committed restores that step (from memory when every process holds it), any other path is
+    read by the stock code. A restore returns ``(step, "memory" | "storage")`` and says so in a WARNING
     (scripts rarely configure logging). Returns the checkpointer (for memory-only saves,
     ``resume_point``, ``wait`` and ``close``).
     """
@@ -398,27 +418,44 @@ def enable(
     accelerator._flashckpt_stock_load_state = stock_load
 
     def save_state(output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
-        step = None if output_dir is None else _our_step(flash, output_dir, "save_state")
-        result = flash.save_state(step, safe_serialization=safe_serialization)
+        step, folder = None, None
+        if output_dir is not None:
+            step, folder = _our_folder(flash, output_dir)
+            if folder == flash.layout.step_path(step):
+                folder = None  # the default name: as a save without a path names it
+        result = flash.save_state(step, safe_serialization=safe_serialization, folder=folder)
         if not result.ok:
             raise FlashCkptError(f"save_state of step {result.step} did not happen: {result.reason}")
-        return flash.checkpoint_path(result.step)
+        return os.path.join(flash.root, folder or flash.layout.step_path(result.step))
 
     def load_state(input_dir: str | None = None, **kwargs: Any) -> tuple[int, str] | None:
-        if input_dir is not None and _STEP_RE.search(os.path.normpath(os.fspath(input_dir))) is None:
-            return stock_load(input_dir, **kwargs)
-        return flash.load_state(None if input_dir is None else _our_step(flash, input_dir, "load_state"))
+        if input_dir is None:
+            return flash.load_state()
+        ours = flash.folder_of(input_dir)
+        if ours is not None and _holds(flash, *ours):
+            return flash.load_state(ours[0])
+        return stock_load(input_dir, **kwargs)  # another run's checkpoint, or any other folder
 
     accelerator.save_state = save_state
     accelerator.load_state = load_state
     return flash
 
 
-def _our_step(flash: AccelerateCheckpointer, path: str | os.PathLike, what: str) -> int:
-    path = os.path.abspath(os.fspath(path))
-    match = _STEP_RE.search(path)
-    step = int(match.group(1)) if match else None
-    if step is None or os.path.normpath(flash.checkpoint_path(step)) != os.path.normpath(path):
-        raise ValueError(f"{what}({path!r}): flash checkpoints live in {flash.checkpoint_path(0)[:-1]}<step>; "
-                         "pass such a folder or nothing")
-    return step
+def _our_folder(flash: AccelerateCheckpointer, path: str | os.PathLike) -> tuple[int, str]:
+    """``(step, folder)`` of a folder ``save_state`` is asked to write."""
+    ours = flash.folder_of(path)
+    if ours is None:
+        raise ValueError(
+            f"save_state({os.fspath(path)!r}): flash checkpoints are written under {flash.root} into a folder "
+            "whose name ends with its step (step_<N>, epoch_<N>, checkpoint_<N>); pass such a folder, or give "
+            "enable() a checkpoint_dir above the folders you save to")
+    return ours
+
+
+def _holds(flash: AccelerateCheckpointer, step: int, folder: str) -> bool:
+    """Whether ``folder`` is the checkpoint of ``step`` that this job committed, or the step is in memory."""
+    committed = flash.checkpointer.committed_folder(step)
+    if committed is not None:
+        return committed == folder or os.path.normpath(flash.checkpoint_path(step)) == os.path.normpath(
+            os.path.join(flash.root, folder))
+    return flash.held_by_all(step)  # collective, as the caller's choice must be

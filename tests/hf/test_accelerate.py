@@ -187,13 +187,44 @@ def test_a_restore_says_where_it_resumed_and_a_loop_that_starts_over_is_warned(t
     flash.close()
 
 
+def test_save_state_into_the_scripts_own_folders_and_load_state_from_them_or_another_runs(tmp_path):
+    """accelerate's examples save to ``<output_dir>/step_<N>`` (or ``epoch_<N>``) and resume with
+    ``load_state(<that folder>)``; a checkpoint of another run loads into a new output dir."""
+    accelerator, model, optimizer, scheduler, counter = _setup(tmp_path / "p1", automatic=False)
+    out = tmp_path / "out"
+    flash = enable(accelerator, out)
+    _train(model, optimizer, scheduler, counter, 2)
+    assert accelerator.save_state(str(out / "step_2")) == str(out / "step_2")
+    assert flash.wait().committed
+    expected = _state(model, optimizer)
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= set(
+        os.listdir(out / "step_2"))
+    _train(model, optimizer, scheduler, counter, 2)
+    assert accelerator.save_state(str(out / "runs" / "epoch_4")) == str(out / "runs" / "epoch_4")
+    assert flash.wait().committed and (out / "runs" / "epoch_4" / "model.safetensors").exists()
+    assert not (out / "checkpoint_2").exists() and not (out / "checkpoint_4").exists()
+
+    assert accelerator.load_state(str(out / "step_2")) == (2, "memory")  # the script's own resume line
+    _assert_equal(_state(model, optimizer), expected)
+    assert counter.count == 2
+    flash.close()
+
+    other, model, optimizer, scheduler, counter = _setup(tmp_path / "p2", automatic=False, seed=1)
+    enable(other, tmp_path / "new-output")  # a new run, another output dir: the old folder goes to the stock loader
+    assert other.load_state(str(out / "step_2")) is None
+    _assert_equal(_state(model, optimizer), expected)
+    assert counter.count == 2
+
+
 def test_bad_input_is_refused_with_what_to_do(tmp_path):
     accelerator, model, *_ = _setup(tmp_path / "proj")
     with pytest.raises(ValueError, match="leave checkpoint_dir out"):
         AccelerateCheckpointer(accelerator, tmp_path / "elsewhere")
     flash = enable(accelerator)
-    with pytest.raises(ValueError, match="checkpoint_<step>"):
+    with pytest.raises(ValueError, match="written under .* whose name ends with its step"):
         accelerator.save_state(str(tmp_path / "somewhere" / "else"))
+    with pytest.raises(ValueError, match="written under"):
+        accelerator.save_state(str(tmp_path / "proj" / "checkpoints" / "no_number"))
     flash.save_state(1, persist=False)
     saved = accelerator._models[0]
     accelerator._models[0] = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))

@@ -233,6 +233,10 @@ class Checkpointer:
     def check_memory(self, step: int) -> bool:
         return self.loads.check_memory(step)
 
+    @_doc_from(LoadPath.committed_folder)
+    def committed_folder(self, step: int) -> str | None:
+        return self.loads.committed_folder(step)
+
     @_doc_from(LoadPath.read_file)
     def read_file(self, step: int, path: str, codec: Codec | str = Codec.TORCH, **kwargs: Any) -> Any:
         return self.loads.read_file(step, path, codec, **kwargs)

@@ -322,6 +322,12 @@ class LoadPath:
         """A restore's ``target`` as the files ``save`` named: a ``{path: object}`` map, or the rank's one file."""
         return target if is_files(target) else files_of(self.rank, target, None)
 
+    def committed_folder(self, step: int) -> str | None:
+        """Where the files of committed ``step`` are, relative to the checkpoint directory (the
+        save's own folder, or the layout's ``step_dir``); None when the step is not committed."""
+        record = commit_record(self.storage, step)
+        return None if record is None else files_dir(self.storage, self.layout, step, record)
+
     def read_file(self, step: int, path: str, codec: Codec | str = Codec.TORCH, **kwargs: Any) -> Any:
         """Read any file of committed ``step`` from storage (for loading into another layout)."""
         record = commit_record(self.storage, step)
