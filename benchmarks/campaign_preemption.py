@@ -55,6 +55,7 @@ sys.path.insert(0, REPO)
 
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
 from tests.distributed.replica_worker import reference  # noqa: E402
+from tests.helpers import savers_with_shm_dir  # noqa: E402
 
 HF_SCRIPT = os.path.join(REPO, "tests", "hf", "example_script.py")
 ENGINE_SCRIPT = os.path.join(REPO, "tests", "distributed", "replica_worker.py")
@@ -102,13 +103,7 @@ def engine_command(config: dict, ckpt: str, out: str, sleep: float = STEP_SLEEP)
 
 def savers(shm: str) -> list[int]:
     """The savers started with this trial's shared-memory directory."""
-    found = subprocess.run(["pgrep", "-f", "flashckpt_integrations.core.saver"], capture_output=True, text=True)
-    pids = []
-    for pid in map(int, found.stdout.split()):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-            if f"FLASHCKPT_SHM_DIR={shm}".encode() in f.read().split(b"\0"):
-                pids.append(pid)
-    return pids
+    return savers_with_shm_dir(shm)
 
 
 def worker_pids(out: str) -> list[int]:

@@ -147,6 +147,16 @@ def saver_pids(run_dir: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def savers_with_shm_dir(shm_dir: str) -> list[int]:
+    """Pids of the savers started with ``FLASHCKPT_SHM_DIR=shm_dir`` (a test's or a trial's own)."""
+    found = []
+    for pid in saver_pids(""):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            if f"FLASHCKPT_SHM_DIR={shm_dir}".encode() in f.read().split(b"\0"):
+                found.append(pid)
+    return found
+
+
 def kill_savers(run_dir: str) -> None:
     """SIGKILL the savers of ``run_dir`` and wait until they are gone (a process with large mappings
     takes a moment to exit after SIGKILL)."""

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from tests.helpers import REPO, saver_pids  # noqa: E402
+from tests.helpers import REPO, saver_pids, savers_with_shm_dir  # noqa: E402
 from tests.hf.common import assert_bitwise_equal  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tests", "hf", "example_script.py")
@@ -146,12 +146,7 @@ def stop_at(out, step: int, grace_s: float, *args, memory_lost: bool = True) -> 
 
 def savers_of_this_test() -> list[int]:
     """The savers started with this test's shared-memory directory."""
-    found = []
-    for pid in saver_pids(""):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-            if f"FLASHCKPT_SHM_DIR={os.environ['FLASHCKPT_SHM_DIR']}".encode() in f.read().split(b"\0"):
-                found.append(pid)
-    return found
+    return savers_with_shm_dir(os.environ["FLASHCKPT_SHM_DIR"])
 
 
 def test_sigterm_persists_the_newest_snapshot_as_a_checkpoint_the_stock_trainer_resumes(tmp_path, reference):
