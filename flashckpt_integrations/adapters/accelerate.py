@@ -456,6 +456,5 @@ def _holds(flash: AccelerateCheckpointer, step: int, folder: str) -> bool:
     """Whether ``folder`` is the checkpoint of ``step`` that this job committed, or the step is in memory."""
     committed = flash.checkpointer.committed_folder(step)
     if committed is not None:
-        return committed == folder or os.path.normpath(flash.checkpoint_path(step)) == os.path.normpath(
-            os.path.join(flash.root, folder))
+        return os.path.normpath(committed) == os.path.normpath(folder)
     return flash.held_by_all(step)  # collective, as the caller's choice must be

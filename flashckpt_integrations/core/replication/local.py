@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ...errors import CorruptCheckpointError, SharedMemoryError
 from ..protocol import read_slot_records
-from ..shm_buffer import Slot, SlotHeader, SlotState
+from ..shm_buffer import Slot, SlotHeader, attach_complete
 
 
 def local_slots(run_dir: str) -> dict[int, list[str]]:
@@ -22,19 +22,9 @@ def open_complete(path: str) -> tuple[Slot, SlotHeader] | None:
     """The slot at ``path`` (the caller closes it) and its header when it holds a complete
     snapshot; None when there is no slot, no complete snapshot or no readable header."""
     try:
-        slot = Slot.attach(path)
-    except (SharedMemoryError, OSError):
+        return attach_complete(path)
+    except (SharedMemoryError, OSError, CorruptCheckpointError):
         return None
-    if slot is None:
-        return None
-    try:
-        header = slot.read_header()
-    except CorruptCheckpointError:
-        header = None
-    if header is None or header.state is not SlotState.COMPLETE:
-        slot.close()
-        return None
-    return slot, header
 
 
 def local_snapshots(run_dir: str) -> list[tuple[int, str, SlotHeader]]:
