@@ -3,7 +3,8 @@
 Every rank trains the same tiny model on batches of its own; the gradients are averaged in rank
 order (all_gather, then summed rank 0 first), so every rank holds the same parameters and a run is
 reproducible bit for bit: :func:`reference` computes it in one process. It resumes with ``load()``,
-snapshots every step into memory and persists every ``--persist-every`` steps. With ``--api dcp``
+snapshots into memory every ``--snapshot-every`` steps (default 1) and persists every
+``--persist-every`` steps. With ``--api dcp``
 it saves and resumes through the DCP adapter (``flash_dcp.save`` / ``flash_dcp.load``) instead. With ``--pause-at``
 it stops after that step's save, touches ``<out>/paused-<rank>`` and waits to be killed (with
 ``--last-save-on-sigterm``, for SIGTERM: the next step is then saved persisting and ends the run). Each rank
@@ -23,10 +24,20 @@ from flashckpt_integrations import Checkpointer, StopSignal
 from flashckpt_integrations.adapters import dcp as flash_dcp
 
 
-def make_model(width: int = 32) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def make_model(width: int = 32, ballast_mib: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer; with ``ballast_mib``, a buffer of that size in the model's state
+    (a large state without large matrix products, whose results may depend on where the tensors lie)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 16))
+    if ballast_mib:
+        model.register_buffer("ballast", torch.zeros(ballast_mib * 2**20 // 4))
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def advance_ballast(model: torch.nn.Module, step: int) -> None:
+    """Every element of the ballast changes at every step, element by element (exact anywhere)."""
+    if hasattr(model, "ballast"):
+        model.ballast.mul_(0.5).add_(float(step))
 
 
 def rank_gradients(model: torch.nn.Module, step: int, rank: int) -> list[torch.Tensor]:
@@ -46,14 +57,15 @@ def apply_mean(model: torch.nn.Module, opt: torch.optim.Optimizer, per_rank: lis
     opt.step()
 
 
-def reference(steps: int, world: int, width: int = 32) -> dict[str, torch.Tensor]:
+def reference(steps: int, world: int, width: int = 32, ballast_mib: int = 0) -> dict[str, torch.Tensor]:
     """The parameters after ``steps`` uninterrupted steps of a ``world``-rank job."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model, opt = make_model(width)
+        model, opt = make_model(width, ballast_mib)
         for step in range(1, steps + 1):
             apply_mean(model, opt, [rank_gradients(model, step, r) for r in range(world)])
+            advance_ballast(model, step)
         return {k: v.clone() for k, v in model.state_dict().items()}
     finally:
         torch.set_num_threads(threads)
@@ -65,12 +77,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--persist-every", type=int, default=5)
+    parser.add_argument("--snapshot-every", type=int, default=1, help="a memory snapshot every N steps")
     parser.add_argument("--pause-at", type=int, default=0)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--api", choices=("core", "dcp"), default="core")
     parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
+    parser.add_argument("--ballast-mib", type=int, default=0, help="a buffer of this size in the model's state")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes beyond its compute")
     parser.add_argument("--storage-factory", default=None, help="e.g. tests.helpers:SlowStorage")
+    parser.add_argument("--dump-loaded", action="store_true", help="write the restored parameters to <out>/loaded-<rank>.pt")
     parser.add_argument("--print-steps", action="store_true", help="rank 0 prints a JSON line after each save")
     parser.add_argument("--last-save-on-sigterm", action="store_true",
                         help="StopSignal: SIGTERM ends a pause; the next step is saved persisting, and the last")
@@ -79,7 +94,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = make_model(args.width)
+    model, opt = make_model(args.width, args.ballast_mib)
     dcp = args.api == "dcp"
     ck = Checkpointer(args.ckpt, flash_dcp.checkpointer_config() if dcp else None, replicas=args.replicas,
                       storage_factory=args.storage_factory)
@@ -105,6 +120,8 @@ def main() -> None:
                       "fetched": ck.replicas.fetched, "seconds": time.perf_counter() - started,
                       "tiers": None if dcp or loaded is None else {str(r): t for r, t in loaded.tiers.items()}}
     flush()
+    if args.dump_loaded:
+        torch.save(model.state_dict(), os.path.join(args.out, f"loaded-{rank}.pt"))
     for step in range(start + 1, args.steps + 1):
         stopping = stop is not None and stop.agreed()
         grads = rank_gradients(model, step, rank)
@@ -113,7 +130,12 @@ def main() -> None:
         for i, g in enumerate(grads):
             dist.all_gather([gathered[r][i] for r in range(world)], g)
         apply_mean(model, opt, gathered)
+        advance_ballast(model, step)
         persist = step % args.persist_every == 0 or stopping
+        if not persist and step % args.snapshot_every:
+            if args.print_steps and rank == 0:
+                print(json.dumps({"at": step, "snapshot": None}), flush=True)
+            continue
         if dcp:
             progress["step"].fill_(step)
             result = flash_dcp.save(ck, step, {"model": model, "optim": opt, "progress": progress}, persist=persist)
