@@ -205,7 +205,7 @@ def trial(name: str, rng: random.Random, base: str, expected: dict, keep: bool =
         kill_all(savers_with_shm_dir(directory))
         shutil.rmtree(directory, ignore_errors=True)
     for rec in [lost_rec, *records]:
-        if rec.get("run_dir"):
+        if rec.get("run_dir") and not keep:
             shutil.rmtree(rec["run_dir"], ignore_errors=True)
     if keep:
         row["work"] = work

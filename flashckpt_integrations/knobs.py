@@ -49,6 +49,10 @@ REPLICA_CPU = "FLASHCKPT_REPLICA_CPU"
 """The share of a node's CPU time replication rounds may take, in (0, 1] (default 0.01): a round
 whose copies cost its busiest node ``c`` CPU seconds is followed by one no sooner than
 ``c / (share * CPUs)`` seconds later (and no sooner than ``FLASHCKPT_REPLICA_DUTY`` allows)."""
+REPLICA_IDLE = "FLASHCKPT_REPLICA_IDLE"
+"""The share of a node's idle CPU time replication rounds may take beyond ``FLASHCKPT_REPLICA_CPU``,
+in (0, 1] (default 0.5): on a node whose CPUs wait for its GPUs, rounds follow each other as fast
+as that idle time pays for them, and the kept step trails the newest snapshot by about a round."""
 REPLICA_ROUNDS = "FLASHCKPT_REPLICA_ROUNDS"
 """``0``: each saver copies the newest snapshot of each of its ranks on its own, with no step kept
 in common (see ``core/replication/rounds.py``; default on: job-wide rounds led by node 0's saver)."""

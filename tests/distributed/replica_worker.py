@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--ballast-mib", type=int, default=0, help="a buffer of this size in the model's state")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes beyond its compute")
     parser.add_argument("--storage-factory", default=None, help="e.g. tests.helpers:SlowStorage")
-    parser.add_argument("--dump-loaded", action="store_true", help="write the restored parameters to <out>/loaded-<rank>.pt")
+    parser.add_argument("--dump-loaded", action="store_true", help="write the restored state to <out>/loaded-<rank>.pt")
     parser.add_argument("--print-steps", action="store_true", help="rank 0 prints a JSON line after each save")
     parser.add_argument("--last-save-on-sigterm", action="store_true",
                         help="StopSignal: SIGTERM ends a pause; the next step is saved persisting, and the last")

@@ -15,9 +15,12 @@ Call order:
 
 1. :class:`Rounds` is the default :class:`~.policy.CopyPolicy`, made by :func:`.service.copy_policy`
    when replication starts; :meth:`Rounds.start` starts the leader thread on node 0's saver.
-2. The leader (:meth:`Rounds._lead`), at most ``duty`` of the time (:func:`.pacing.copy_duty`),
-   once every rank of its node has sealed a step newer than the kept one; ``after`` = the kept
-   step + 1 (0 before the first round).
+2. The leader (:meth:`Rounds._lead`), once every rank of its node has sealed a step newer than the
+   kept one; ``after`` = the kept step + 1 (0 before the first round). The next round waits until
+   the sends took at most ``duty`` of the time (:func:`.pacing.copy_duty`) and every node's CPU
+   time on the round is paid for at the rate that node allows (:func:`.pacing.cpu_allowance`: a
+   share of its CPUs, or of the CPU time they were idle, which a node waiting for its GPUs has
+   plenty of: there rounds follow each other within a second or two).
    - ``round_held`` asks every node's saver (its own directly, the others on the peer channel)
      which steps >= ``after`` all its ranks hold, and which of them are being persisted
      (:meth:`Rounds.held`; each node makes its store's slots for the copies meanwhile). The
@@ -48,12 +51,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..._utils.cpus import affinity_cpus
+from ..._utils.cpus import IdleMeter, affinity_cpus
 from .. import verify
 from ..protocol import ROUND_OPS, PeerOp
 from ..shm_buffer import Slot, SlotHeader
 from .local import local_slots, open_complete
-from .pacing import copy_duty, cpu_share
+from .pacing import copy_duty, cpu_allowance
 from .peers import Channel, PeerRecord
 from .policy import PolicyContext, ReplicaSettings
 from .store import ReplicaSkipped, head_of
@@ -91,6 +94,9 @@ class Rounds:
         self._last_s = 1.0
         self._tally = {"kept": 0, "not_kept": 0}  # the leader's rounds
         self._spent: dict[int, float] = {}  # CPU seconds each node spent on the round in progress
+        self._allowed: dict[int, float] = {}  # the CPU seconds per second each node lets rounds take
+        self._sent_s = 0.0  # the longest send of the round in progress
+        self._idle = IdleMeter()
 
     def start(self) -> None:
         """Start the leader on node 0's saver (a job of one node has no round)."""
@@ -163,7 +169,8 @@ class Rounds:
                                                       for by_step in held.values())]
             finally:
                 self._close(held)
-        return {"ok": True, "steps": steps, "persisting": persisting, "cpu_s": time.thread_time() - cpu}
+        return {"ok": True, "steps": steps, "persisting": persisting, "cpu_s": time.thread_time() - cpu,
+                "cpu_rate": cpu_allowance(affinity_cpus(), self._idle.rate())}
 
     def snap(self, message: dict[str, Any]) -> dict[str, Any]:
         """Copy this node's ranks' snapshots of ``step`` into the store."""
@@ -225,12 +232,12 @@ class Rounds:
         step = int(message["step"])
         ranks = sorted(local_slots(self.context.run_dir))
         errors: list[str] = []
-        cpu = time.thread_time()
+        started, cpu = time.monotonic(), time.thread_time()
         with self._lock:
             for node in self.settings.targets():
                 errors += self._send_to(node, ranks, step)
-        cpu = time.thread_time() - cpu
-        return {"ok": False, "error": "; ".join(errors), "cpu_s": cpu} if errors else {"ok": True, "cpu_s": cpu}
+        spent = {"cpu_s": time.thread_time() - cpu, "seconds": time.monotonic() - started}
+        return {"ok": False, "error": "; ".join(errors), **spent} if errors else {"ok": True, **spent}
 
     def _send_to(self, node: int, ranks: list[int], step: int) -> list[str]:
         store = self.context.store
@@ -276,26 +283,29 @@ class Rounds:
 
     def _lead(self) -> None:
         duty = copy_duty()
-        cpu_budget = cpu_share() * affinity_cpus()
         next_at = 0.0
         while not self._stop.wait(POLL_S if time.monotonic() >= next_at else next_at - time.monotonic()):
             try:
                 newest = self._newest_local()
                 if newest is None or (self._kept is not None and newest <= self._kept):
                     continue
-                started, self._spent = time.monotonic(), {}
+                started, self._spent, self._allowed, self._sent_s = time.monotonic(), {}, {}, 0.0
                 kept = self._round(0 if self._kept is None else self._kept + 1)
                 elapsed = time.monotonic() - started
                 self._last_s = elapsed
-                # The CPU time the busiest node spent on a round, kept or not, is at most
-                # ``cpu_share`` of its CPUs; a kept round's copies take at most ``duty`` of the time
-                # as well (a failed one, often waiting at low priority, held nothing meanwhile).
-                busiest = max(self._spent.values(), default=0.0)
-                pause = max(elapsed * (1 / duty - 1), busiest / cpu_budget) if kept is not None else \
-                    max(1.0, busiest / cpu_budget)
+                # Each node's CPU time on a round, kept or not, is paid for at the rate it allows
+                # (:func:`.pacing.cpu_allowance`: a share of its CPUs, or of their idle time); a kept
+                # round's sends to peers take at most ``duty`` of the time as well (a failed round,
+                # often waiting at low priority, held nothing meanwhile).
+                floor = cpu_allowance(affinity_cpus(), None)
+                paid = max((spent / self._allowed.get(node, floor) for node, spent in self._spent.items()),
+                           default=0.0)
+                pause = max(self._sent_s * (1 / duty - 1), paid) if kept is not None else max(1.0, paid)
                 next_at = time.monotonic() + pause
-                logger.debug("replication round %s in %.2fs; %.2f CPU s on the busiest node; the next in %.1fs",
-                             "not kept" if kept is None else f"kept step {kept}", elapsed, busiest, pause)
+                logger.debug("replication round %s in %.2fs (sends %.2fs); CPU s per node %s at %s CPU s/s; the "
+                             "next in %.1fs", "not kept" if kept is None else f"kept step {kept}", elapsed,
+                             self._sent_s, {n: round(c, 3) for n, c in self._spent.items()},
+                             {n: round(r, 2) for n, r in self._allowed.items()}, pause)
                 self._tally["kept" if kept is not None else "not_kept"] += 1
                 self.context.status.update(rounds=dict(self._tally))
             except Exception as exc:  # a round that cannot run is tried again later
@@ -348,7 +358,7 @@ class Rounds:
                          "times: %s", after, RETRIES, answers)
             return None
         answers = self._ask_all(records, nodes, {"op": PeerOp.ROUND_SEND, "step": step})
-        self._spend(answers, 2.0)  # what each node's peers spent receiving it: about as much
+        self._spend(answers, 2.0, sends=True)  # what each node's peers spent receiving it: about as much
         failed = {n: a.get("error") for n, a in answers.items() if not a.get("ok")}
         if failed:
             logger.info("replication round of step %d is not kept: %s", step, failed)
@@ -357,11 +367,17 @@ class Rounds:
         logger.debug("step %d is kept in memory on every node", step)
         return step
 
-    def _spend(self, answers: dict[int, dict[str, Any]], factor: float = 1.0) -> None:
+    def _spend(self, answers: dict[int, dict[str, Any]], factor: float = 1.0, sends: bool = False) -> None:
+        """Add what each node's answer says it spent (CPU ``factor`` times), the CPU rate it allows
+        and, for ``sends``, how long its sends took."""
         for node, answer in answers.items():
-            spent = answer.get("cpu_s")
+            spent, rate, seconds = answer.get("cpu_s"), answer.get("cpu_rate"), answer.get("seconds")
             if isinstance(spent, (int, float)):
                 self._spent[node] = self._spent.get(node, 0.0) + factor * spent
+            if isinstance(rate, (int, float)) and rate > 0:
+                self._allowed[node] = float(rate)
+            if sends and isinstance(seconds, (int, float)):
+                self._sent_s = max(self._sent_s, float(seconds))
 
     def _ask_all(self, records: dict[int, PeerRecord], nodes: list[int],
                  message: dict[str, Any]) -> dict[int, dict[str, Any]]:
