@@ -63,7 +63,11 @@ import zlib  # noqa: E402
 from typing import Any  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ("none", "torch.save", "flashckpt")
+CONFIGS = ("none", "torch.save", "flashckpt", "flashckpt-2node", "replicas")
+FLASH = ("flashckpt", "flashckpt-2node", "replicas")
+"""The configurations that checkpoint with flashckpt under ``flashckpt-run``."""
+TWO_NODE = ("flashckpt-2node", "replicas")
+"""The configurations run on two simulated nodes, rank r on node r."""
 WORLD = 2
 
 
@@ -93,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if args.mode == "flashckpt":
+    if args.mode in FLASH:
         from flashckpt_integrations import Checkpointer
     t_imports = time.time()
     torch.set_num_threads(1)
@@ -104,14 +108,15 @@ def worker(args: argparse.Namespace) -> None:
     model = DDP(_mlp(args.hidden))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     t_model = time.time()  # DDP's constructor also waits for the other rank
-    ck = Checkpointer(args.ckpt, optimizers=[optimizer]) if args.mode == "flashckpt" else None
+    extra = {"replicas": 1} if args.mode == "replicas" else {}
+    ck = Checkpointer(args.ckpt, optimizers=[optimizer], **extra) if args.mode in FLASH else None
     t_ck = time.time()
-    start, source = 1, "scratch"
+    start, source, tier = 1, "scratch", None
     path = os.path.join(args.ckpt, "model.pt")
     if ck is not None:
         res = ck.load()
         if res is not None:
-            state, source = res.state, res.source
+            state, source, tier = res.state, res.source, res.tiers.get(rank)
     elif args.mode == "torch.save" and os.path.exists(path):
         state, source = torch.load(path, weights_only=True), "storage"
     if source != "scratch":
@@ -125,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
         os.write(fd, (json.dumps(fields, separators=(",", ":")) + "\n").encode())
 
     record(e="start", pid=os.getpid(), resumed=start - 1, source=source, proc=proc_start, py=WALL0,
-           imports=t_imports, pg=t_pg, model=t_model, ck=t_ck, load=t_load)
+           imports=t_imports, pg=t_pg, model=t_model, ck=t_ck, load=t_load, **({"tier": tier} if tier else {}))
     params = list(model.module.parameters())
     gen = torch.Generator()
     parent = os.getppid()
@@ -178,6 +183,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=4096, help="MLP width (4096: 20M parameters, 229 MiB of state)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="--budget-s 30 --mtbf 10 20 40 --repeats 1")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated configurations to run, of {', '.join(CONFIGS)} (default: all); the "
+                   "ceiling (none) runs once per repeat whether listed or not: it is every run's reference")
+    p.add_argument("--rdzv-keep-alive", type=int, nargs=2, default=[1, 3], metavar=("INTERVAL_S", "ATTEMPTS"),
+                   help="two-node configurations: the c10d rendezvous' keep_alive_interval and "
+                   "keep_alive_max_attempt (torch's defaults are 5 and 3): a lost node leaves the rendezvous "
+                   "once its last heartbeat is INTERVAL_S x ATTEMPTS old, and the job cannot restart before")
     p.add_argument("--json", default=None, help="write every run and the summary here")
     p.add_argument("--plot", default=os.path.join(REPO, "benchmarks", "goodput.png"))
     p.add_argument("--model", action="store_true", help="print the analytic model at 1k-64k GPUs and exit")
@@ -198,6 +210,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.budget_s, args.mtbf, args.repeats = 30.0, [10.0, 20.0, 40.0], 1
+    chosen = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(chosen) - set(CONFIGS))
+    if unknown:
+        p.error(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(CONFIGS)})")
+    args.configs = [c for c in CONFIGS if c in chosen and c != "none"]  # in the table's order
     return args
 
 
@@ -321,30 +338,88 @@ def _drop_page_cache(root: str) -> None:
                 os.close(fd)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _empty(directory: str) -> None:
+    for entry in os.scandir(directory):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+
+
 class Run:
-    """One launch of the job for ``budget`` seconds, with failures injected; its records parsed."""
+    """One launch of the job for ``budget`` seconds, with failures injected; its records parsed.
+
+    The two-node configurations (:data:`TWO_NODE`) run one ``flashckpt-run`` per simulated node,
+    node n with rank n, its own ``FLASHCKPT_NODE_ID``, shared-memory directory, run directory and
+    saver, all on this host; the c10d rendezvous store is served by this process (as a service
+    that outlives any training node would serve it), so that either node can be lost.
+    """
 
     def __init__(self, args: argparse.Namespace, config: str, mtbf: float | None, every: int, seed: int,
                  snapshot_every: int = 1) -> None:
         self.args, self.config, self.mtbf, self.every = args, config, mtbf, every
         self.snapshot_every = snapshot_every
         self.rng = random.Random(seed)
+        self.nodes = 2 if config in TWO_NODE else 1
         self.dir = tempfile.mkdtemp(prefix="gp-")  # short: a saver's socket path must fit in 108 bytes
-        self.shm = tempfile.mkdtemp(prefix="gp-", dir="/dev/shm")
+        self.shms = [tempfile.mkdtemp(prefix="gp-", dir="/dev/shm") for _ in range(self.nodes)]
         self.ckpt, self.rec = os.path.join(self.dir, "ckpt"), os.path.join(self.dir, "rec")
         os.makedirs(self.ckpt)
         os.makedirs(self.rec)
-        os.makedirs(os.path.join(self.dir, "run"), mode=0o700)
+        names = ["run"] if self.nodes == 1 else [f"run{n}" for n in range(self.nodes)]
+        self.run_dirs = [os.path.join(self.dir, name) for name in names]  # each node's $FLASHCKPT_RUN_DIR
+        for run_dir in self.run_dirs:
+            os.makedirs(run_dir, mode=0o700)
         self.steps: list[dict] = []  # rank 0's step records, in order
         self.starts: list[list[dict]] = [[] for _ in range(WORLD)]
         self.failures: list[dict] = []
         self._offsets = [0] * WORLD
         self.first_step: float | None = None
         self.commits: dict[int, float] = {}  # flashckpt: step -> when the driver saw it committed
+        self.replicated: dict[int, dict[int, float]] = {}  # replicas: rank -> step -> when a peer held it
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Any] = []
+        self.rdzv_port = 0
 
-    def command(self) -> list[str]:
-        opts = ["--standalone", f"--nproc-per-node={WORLD}", "--max-restarts=100000", "--monitor-interval=0.1"]
-        if self.config == "flashckpt":
+    def command(self, node: int = 0) -> list[str]:
+        if self.nodes == 1:
+            opts = ["--standalone", f"--nproc-per-node={WORLD}", "--max-restarts=100000", "--monitor-interval=0.1"]
+        else:  # ranks ordered by node name (flashckpt-run's topology order), so rank n stays on node n
+            interval, attempts = self.args.rdzv_keep_alive
+            opts = [f"--nnodes={self.nodes}", f"--nproc-per-node={WORLD // self.nodes}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{self.rdzv_port}", f"--rdzv-id={os.path.basename(self.dir)}",
+                    f"--rdzv-conf=is_host=0,keep_alive_interval={interval},keep_alive_max_attempt={attempts}",
+                    "--local-addr=127.0.0.1", "--topology-switch=s0", f"--node-name=node{node}",
+                    "--max-restarts=100000", "--monitor-interval=0.1"]
+        if self.config in FLASH:
             launcher = [sys.executable, "-m", "flashckpt_integrations.launcher.run", "--checkpoint-dir", self.ckpt]
         else:
             launcher = [sys.executable, "-m", "torch.distributed.run"]
@@ -352,6 +427,19 @@ class Run:
                 "--rec", self.rec, "--every", str(self.every), "--hidden", str(self.args.hidden),
                 "--batch-size", str(self.args.batch_size), "--seed", str(self.args.seed),
                 "--snapshot-every", str(self.snapshot_every), "--until", str(self.t0 + self.args.budget_s + 120)]
+
+    def _launch(self, node: int) -> subprocess.Popen:
+        """Start node ``node``'s launcher (its first one, or the replacement of a lost node)."""
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": self.shms[node],
+               "FLASHCKPT_RUN_DIR": self.run_dirs[node], "FLASHCKPT_SAVER_IDLE_EXIT": "30",
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        if self.nodes > 1:
+            env["FLASHCKPT_NODE_ID"] = f"node{node}"
+        return subprocess.Popen(self.command(node), env=env, stdout=self.logs[node], stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def _log_name(self, node: int) -> str:
+        return os.path.join(self.dir, "launcher.log" if self.nodes == 1 else f"launcher-node{node}.log")
 
     def _poll(self) -> None:
         for rank in range(WORLD):
@@ -381,41 +469,87 @@ class Run:
             return
         self.commits.setdefault(step, time.time())
 
+    def _poll_replicas(self, job: str) -> None:
+        """replicas: note when each step of rank r is first held, complete, by the other node."""
+        from flashckpt_integrations.core.replication import list_replicas
+
+        now = time.time()
+        for node, shm in enumerate(self.shms):
+            try:
+                held = list_replicas(shm, job)
+            except OSError:  # the node is being lost just now
+                continue
+            for replica in held:
+                if replica.rank != node:  # a peer's rank (rank r runs on node r), not a kept copy of its own
+                    self.replicated.setdefault(replica.rank, {}).setdefault(replica.step, now)
+
     def _inject(self, clock_start: float) -> None:
         rank, node = self.rng.randrange(WORLD), self.rng.random() < self.args.node_loss
         with_pid = self.starts[rank][-1]["pid"]
         t = time.time()
-        os.kill(with_pid, signal.SIGKILL)
-        if node:
+        if node and self.nodes > 1:
+            self._lose_node(rank, with_pid)  # rank r runs on node r
+        else:
+            os.kill(with_pid, signal.SIGKILL)
+        if node and self.nodes == 1:
             for pid in self._savers():
                 os.kill(pid, signal.SIGKILL)
-            for entry in os.scandir(self.shm):
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
+            _empty(self.shms[0])
             _drop_page_cache(self.ckpt)  # a replacement node reads storage cold
         self.failures.append({"t": t, "rank": rank, "node": node, "starts": len(self.starts[0]), "clock": clock_start})
 
-    def execute(self) -> Run:
-        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": self.shm,
-               "FLASHCKPT_RUN_DIR": os.path.join(self.dir, "run"), "FLASHCKPT_SAVER_IDLE_EXIT": "30",
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        log = open(os.path.join(self.dir, "launcher.log"), "w")
-        self.t0 = time.time()
-        proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline, next_failure = float("inf"), None
+    def _lose_node(self, node: int, worker_pid: int) -> None:
+        """Node ``node`` goes down whole and a replacement takes its place, as a cluster would do it:
+        its launcher (agent), warm-start template, rank and saver SIGKILLed, its shared memory and run
+        directory gone, the checkpoint files out of the page cache (the replacement reads storage
+        cold); then a new launcher for the node starts with an empty shared-memory and run directory
+        and joins the rendezvous. The other node's launcher sees its rank fail (or the new node
+        waiting) and restarts it: both re-rendezvous once the lost node's heartbeat has expired."""
+        agent = self.procs[node]
+        doomed = [worker_pid, *_descendants(agent.pid), *_saver_pids(self.run_dirs[node])]
+        _kill([worker_pid])
         try:
-            while time.time() < deadline and proc.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _kill(doomed)
+        agent.wait()
+        _empty(self.shms[node])
+        shutil.rmtree(self.run_dirs[node], ignore_errors=True)
+        os.makedirs(self.run_dirs[node], mode=0o700)
+        _drop_page_cache(self.ckpt)
+        self.procs[node] = self._launch(node)
+
+    def execute(self) -> Run:
+        store = None
+        if self.nodes > 1:  # the rendezvous store, which no node loss takes down
+            from torch.distributed import TCPStore
+
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.rdzv_port = store.port
+        job = None
+        if self.config == "replicas":
+            from flashckpt_integrations.core.client import job_id_for, job_key
+
+            job = job_key(job_id_for(self.ckpt, None))
+        self.logs = [open(self._log_name(n), "w") for n in range(self.nodes)]  # noqa: SIM115
+        self.t0 = time.time()
+        self.procs = [self._launch(n) for n in range(self.nodes)]
+        deadline, next_failure, next_replica_poll = float("inf"), None, 0.0
+        try:
+            while time.time() < deadline and all(proc.poll() is None for proc in self.procs):
                 time.sleep(0.02)
                 self._poll()
-                if self.config == "flashckpt":
+                if self.config in FLASH:
                     self._poll_commit()
+                if job is not None and time.time() >= next_replica_poll:
+                    self._poll_replicas(job)
+                    next_replica_poll = time.time() + 0.2
                 if self.steps and self.first_step is None:
                     self.first_step = self.steps[0]["t"]  # the budget runs from here: the first start is alike
                     deadline = self.first_step + self.args.budget_s
                 if self.first_step is None and time.time() > self.t0 + 120:
-                    raise RuntimeError(f"{self.config}: no step completed in 120 s; see {self.dir}/launcher.log")
+                    raise RuntimeError(f"{self.config}: no step completed in 120 s; see {self._log_name(0)}")
                 if self.mtbf is None or not self.steps:
                     continue
                 # Ready once every rank of the attempt started after the last failure has completed a step
@@ -430,40 +564,47 @@ class Run:
                     self._inject(clock_start)
                     next_failure = None
         finally:
-            with_rc = proc.poll()
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            self._poll()
-            for pid in {r["pid"] for starts in self.starts for r in starts}:  # workers have their own sessions
+            exited = [(n, proc.poll()) for n, proc in enumerate(self.procs) if proc.poll() is not None]
+            for proc in self.procs:
+                below = _descendants(proc.pid)  # the warm-start template and the saver have sessions of their own
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            for pid in self._savers():
-                os.kill(pid, signal.SIGKILL)
-            log.close()
+                _kill(below)
+                proc.wait()
             self._poll()
-            if with_rc is not None:
-                with open(os.path.join(self.dir, "launcher.log")) as f:
-                    tail = f.read()[-3000:]
-                raise RuntimeError(f"{self.config}: the launcher exited early ({with_rc}):\n{tail}")
+            _kill(list({r["pid"] for starts in self.starts for r in starts}))  # workers have their own sessions
+            _kill(self._savers())
+            for log in self.logs:
+                log.close()
+            self._poll()
+            del store
+            if exited:
+                tails = []
+                for n, _ in exited:
+                    with open(self._log_name(n)) as f:
+                        tails.append(f.read()[-3000:])
+                raise RuntimeError(f"{self.config}: the launcher exited early "
+                                   f"({', '.join(f'node {n}: {rc}' for n, rc in exited)}):\n" + "\n".join(tails))
             shutil.rmtree(self.dir, ignore_errors=True)
-            shutil.rmtree(self.shm, ignore_errors=True)
+            for shm in self.shms:
+                shutil.rmtree(shm, ignore_errors=True)
         return self
 
     def _model(self, deadline: float, events: list[dict], step_s: float | None, commit_s: float,
-               ceiling_steps: int | None) -> dict[str, Any]:
+               ceiling_steps: int | None, replica: tuple[float, float] | None = None) -> dict[str, Any]:
         """The model of ``_goodput_model.goodput`` fed with this run's own measurements.
 
         Measured: the failures, each one's downtime (kill until training again: kill to the end of
         the first step after it, less one step), the mean step time (saves and the saver's background
-        work included) and, for flashckpt, the time from a persisting save to its commit. Modelled:
-        the work each failure loses, half the interval between usable checkpoints in time (the
-        snapshot interval; the persist interval plus the commit time after a node loss; the save
-        interval for torch.save), as the projection at scale models it.
+        work included), for flashckpt the time from a persisting save to its commit and, for
+        replicas, ``replica`` = (the time from a snapshot until the peer holds its replica, the time
+        between successive replicas). Modelled: the work each failure loses, half the interval
+        between usable checkpoints in time (the snapshot interval; after a node loss the persist
+        interval plus the commit time, or with replicas the replica interval plus the replica's
+        lag where that is shorter; the save interval for torch.save), as the projection at scale
+        models it.
         """
         if not ceiling_steps or not step_s:
             return {}
@@ -478,6 +619,8 @@ class Run:
                 window = self.every * step_s
             elif f["node"]:
                 window = self.every * step_s + 2 * commit_s
+                if replica is not None:
+                    window = min(window, replica[1] + 2 * replica[0])
             else:
                 window = self.snapshot_every * step_s
             lost += window / 2
@@ -489,6 +632,23 @@ class Run:
             share = goodput(training / n, downtime / n, lost / n, 1.0)
             predicted = 1 + share * self.args.budget_s / step_s
         return {"model_goodput": predicted / ceiling_steps, "modelled_lost_s": lost / n if n else 0.0}
+
+    def _replica_times(self, kills: list[float]) -> tuple[float, float] | None:
+        """replicas: the medians of (the time from a step's end on rank 0 until the other node held
+        rank r's replica of it, the time between successive replicas of a rank) over both ranks,
+        leaving out the gaps that span a failure; None without two replicas in a row."""
+        ended: dict[int, list[float]] = {}
+        for s in self.steps:  # a redone step ends more than once: its latest end before the replica counts
+            ended.setdefault(s["s"], []).append(s["t"])
+        lags, gaps = [], []
+        for held in self.replicated.values():
+            lags += [t - max(e for e in ended[step] if e <= t) for step, t in held.items()
+                     if any(e <= t for e in ended.get(step, ()))]
+            times = sorted(held.values())
+            gaps += [b - a for a, b in zip(times, times[1:]) if not any(a < k < b for k in kills)]
+        if not lags or not gaps:
+            return None
+        return statistics.median(lags), statistics.median(gaps)
 
     def summary(self, reference: dict[int, int], ceiling_steps: int | None = None) -> dict[str, Any]:
         deadline = self.first_step + self.args.budget_s
@@ -506,7 +666,8 @@ class Run:
             first = after[0]
             last = max((s["s"] for s in self.steps if s["t"] < relaunched), default=0)
             events.append({
-                "kill": f["t"], "node": f["node"], "lost_steps": last - r0["resumed"], "source": r0["source"],
+                "kill": f["t"], "node": f["node"], "rank": f["rank"], "lost_steps": last - r0["resumed"],
+                "source": r0["source"], "tier": starts[f["rank"]].get("tier", starts[f["rank"]]["source"]),
                 "restart_s": first["t"] - f["t"], "proc_to_first_step_s": first["t"] - relaunched,
                 "launcher_s": relaunched - f["t"], "imports_s": r0["imports"] - r0["proc"],
                 "process_group_s": r0["pg"] - r0["imports"], "model_s": r0["model"] - r0["pg"],
@@ -522,8 +683,9 @@ class Run:
                                                          if times and stalls else None)
         saved_at = {s["s"]: s["t"] for s in self.steps if s.get("p")}
         commit_s = [t - saved_at[step] for step, t in self.commits.items() if step in saved_at and t > saved_at[step]]
+        replica = self._replica_times(kills)
         model = self._model(deadline, events, statistics.fmean(times) if times else None,
-                            statistics.median(commit_s) if commit_s else 0.0, ceiling_steps)
+                            statistics.median(commit_s) if commit_s else 0.0, ceiling_steps, replica)
         return {"config": self.config, "mtbf": self.mtbf, "every": self.every, "useful_steps": useful,
                 "own_goodput": useful * clean / self.args.budget_s if clean else None,
                 "failures": len(self.failures), "node_losses": sum(f["node"] for f in self.failures),
@@ -532,21 +694,24 @@ class Run:
                 "persist_stall_s": statistics.median([s["k"] for s in self.steps if s.get("p")] or [0.0]) or None,
                 "step_s": statistics.median(times) if times else None,
                 "mean_step_s": statistics.fmean(times) if times else None,
-                "commit_s": statistics.median(commit_s) if commit_s else None, **model,
+                "commit_s": statistics.median(commit_s) if commit_s else None,
+                "replica_lag_s": replica[0] if replica else None, "replica_gap_s": replica[1] if replica else None,
+                **model,
                 "checked_steps": len(checked), "mismatches": sum(reference[s["s"]] != s["c"] for s in checked)}
 
 
 def persist_interval(args: argparse.Namespace, config: str, cost: float, mtbf: float, step_s: float) -> int:
     """Steps between saves to storage, each configuration at its Young/Daly optimum sqrt(2 C M).
 
-    torch.save: C the measured save (it blocks the job), M the MTBF. flashckpt: C what a persist
-    takes from training, the savers' CPU time per persist spread over the host's cores (every core
-    trains here), and M the MTBF of node losses only (MTBF / node-loss share): a process failure
-    resumes from memory. ``--persist-every`` overrides the flashckpt one.
+    torch.save: C the measured save (it blocks the job), M the MTBF. flashckpt (and its two-node
+    configurations, replicas included, so that they differ only in where a node loss resumes
+    from): C what a persist takes from training, the savers' CPU time per persist spread over the
+    host's cores (every core trains here), and M the MTBF of node losses only (MTBF / node-loss
+    share): a process failure resumes from memory. ``--persist-every`` overrides the flashckpt one.
     """
-    if config == "flashckpt" and args.persist_every:
+    if config in FLASH and args.persist_every:
         return args.persist_every
-    if config == "flashckpt":
+    if config in FLASH:
         mtbf = mtbf / args.node_loss if args.node_loss > 0 else 100 * mtbf
     return max(1, round(math.sqrt(2 * cost * mtbf) / step_s))
 
@@ -563,7 +728,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     base = tempfile.mkdtemp(prefix="gp-probe-")
     state_bytes, save_cost = _state_and_save_cost(args, base)
     shutil.rmtree(base, ignore_errors=True)
-    probe = _persist_cost(args)
+    probe = _persist_cost(args) if any(c in FLASH for c in args.configs) else {
+        "saver_cpu_s": 0.0, "commit_s": 0.0, "stall_s": 0.0}
     persist_cost = probe["saver_cpu_s"] * WORLD / (os.cpu_count() or 1)
     print(f"state {state_bytes / 2**20:.1f} MiB per rank; torch.save+fsync C = {save_cost * 1e3:.1f} ms; "
           f"flashckpt persist: saver CPU {probe['saver_cpu_s'] * 1e3:.0f} ms per rank (C = {persist_cost * 1e3:.0f} ms "
@@ -580,18 +746,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{time.monotonic() - started:5.0f}s] repeat {rep} ceiling: {summary['useful_steps']} steps, "
               f"{step_s * 1e3:.1f} ms/step", flush=True)
         for mtbf in args.mtbf:
-            for config in CONFIGS[1:]:
-                cost = persist_cost if config == "flashckpt" else save_cost
+            for config in args.configs:
+                cost = persist_cost if config in FLASH else save_cost
                 every = persist_interval(args, config, cost, mtbf, step_s)
                 k = snapshot_interval(args, probe["stall_s"], mtbf, step_s)
                 seed = args.seed * 7919 + rep * 104_729 + int(mtbf * 1000)
                 s = Run(args, config, mtbf, every, seed, k).execute().summary(reference, summary["useful_steps"])
-                s["snapshot_every"] = k if config == "flashckpt" else None
+                s["snapshot_every"] = k if config in FLASH else None
                 s.update(repeat=rep, ceiling_steps=summary["useful_steps"],
                          goodput=s["useful_steps"] / summary["useful_steps"])
                 runs.append(s)
-                interval = f"k={k} N={every}" if config == "flashckpt" else f"N={every}"
-                print(f"[{time.monotonic() - started:5.0f}s] repeat {rep} {config:10s} MTBF {mtbf:4.0f}s {interval}: "
+                interval = f"k={k} N={every}" if config in FLASH else f"N={every}"
+                print(f"[{time.monotonic() - started:5.0f}s] repeat {rep} {config:15s} MTBF {mtbf:4.0f}s {interval}: "
                       f"goodput {s['goodput']:.3f} (model {s.get('model_goodput', float('nan')):.3f}), "
                       f"{s['failures']} failures, {s['mismatches']} CRC mismatches in {s['checked_steps']} steps",
                       flush=True)
@@ -614,19 +780,25 @@ def _mean(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f}" if values else "-"
 
 
+def _replica_text(rs: list[dict[str, Any]]) -> str:
+    lag = _med([r.get("replica_lag_s") for r in rs])
+    return "-" if lag == "-" else f"{lag}, {_med([r.get('replica_gap_s') for r in rs])}"
+
+
 def report(result: dict[str, Any]) -> str:
     runs = result["runs"]
     lines = ["| config | MTBF s | k / N | goodput (mean ± sd) | model | own-rate goodput | failures | useful steps | "
              "lost steps/failure: process, node (mean) | restart s (kill→step) | proc start→step s | "
-             "stall/ckpt ms | persist stall ms | commit s | CRC check |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "stall/ckpt ms | persist stall ms | commit s | replica lag, gap s | CRC check |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     ceil = [r for r in runs if r["config"] == "none"]
     own = _med([r['own_goodput'] for r in ceil], fmt='{:.3f}')
     useful = _med([r['useful_steps'] for r in ceil], fmt='{:.0f}')
-    lines.append(f"| none (ceiling) | - | - | 1.000 | - | {own} | 0 | {useful} | - | - | - | - | - | - | reference |")
+    lines.append(f"| none (ceiling) | - | - | 1.000 | - | {own} | 0 | {useful} | - | - | - | - | - | - | - | "
+                 "reference |")
     parts = ("launcher_s", "imports_s", "process_group_s", "model_s", "checkpointer_s", "load_s", "first_step_s")
     breakdown = []
-    for config in CONFIGS[1:]:
+    for config in [c for c in CONFIGS[1:] if any(r["config"] == c for r in runs)]:
         for mtbf in sorted({r["mtbf"] for r in runs if r["config"] == config}):
             rs = [r for r in runs if r["config"] == config and r["mtbf"] == mtbf]
             g = [r["goodput"] for r in rs]
@@ -646,11 +818,11 @@ def report(result: dict[str, Any]) -> str:
                 f"{lost[0]}, {lost[1]} | {_med([e['restart_s'] for e in ev])} | "
                 f"{_med([e['proc_to_first_step_s'] for e in ev])} | {_med([r['stall_s'] for r in rs], 1e3)} | "
                 f"{_med([r['persist_stall_s'] for r in rs], 1e3)} | {_med([r.get('commit_s') for r in rs])} | "
-                f"{check} |")
+                f"{_replica_text(rs)} | {check} |")
         ev = [e for r in runs if r["config"] == config for e in r["events"]]
         for kind, sel in (("process", [e for e in ev if not e["node"]]), ("node", [e for e in ev if e["node"]])):
             if sel:
-                srcs = sorted({e["source"] for e in sel})
+                srcs = sorted({e["tier"] if config in TWO_NODE else e["source"] for e in sel})
                 breakdown.append(f"| {config} | {kind} ({len(sel)}) | {'/'.join(srcs)} | " +
                                  " | ".join(_med([e[p] for e in sel]) for p in parts) +
                                  f" | {_med([e['restart_s'] for e in sel])} |")
@@ -663,7 +835,11 @@ def report(result: dict[str, Any]) -> str:
               "with the run's measured failures, downtimes, mean step time and commit time, the lost work modelled "
               "(half the interval between usable checkpoints). own-rate goodput: useful steps x "
               "this run's median step time without a save / the budget (the share of the budget spent on steps "
-              "that count, at the run's own speed: on a shared host it does not see the load drift between runs)."]
+              "that count, at the run's own speed: on a shared host it does not see the load drift between runs). "
+              "replica lag, gap (replicas): medians of the time from a step's end until the other node holds its "
+              "replica, and of the time between successive replicas of a rank. resumed from: for the two-node "
+              "configurations, the tier that served the failed rank (memory: its own node's; replica: the other "
+              "node's copy; storage)."]
     return "\n".join(lines)
 
 
@@ -675,7 +851,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     runs = result["runs"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for config, marker in zip(CONFIGS[1:], "os"):
+    for config, marker in zip([c for c in CONFIGS[1:] if any(r["config"] == c for r in runs)], "os^Dv"):
         mtbfs = sorted({r["mtbf"] for r in runs if r["config"] == config})
         g = [[r["goodput"] for r in runs if r["config"] == config and r["mtbf"] == m] for m in mtbfs]
         ax.errorbar(mtbfs, [statistics.fmean(x) for x in g], [statistics.stdev(x) if len(x) > 1 else 0 for x in g],
@@ -693,10 +869,13 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-NOTE = ("Peer replicas (replicas=1) are not measured: they need two simulated nodes (two torch elastic agents "
-        "with one rank each, a c10d rendezvous across them) that restart together after every failure, and on a "
-        "2-core host the second agent's restart and the replica copies compete with the training they measure. "
-        "--model gives their modelled goodput.")
+def two_node_note(args: argparse.Namespace) -> str:
+    interval, attempts = args.rdzv_keep_alive
+    return (f"flashckpt-2node and replicas run two simulated nodes on this host, one flashckpt-run each (c10d "
+            f"rendezvous, keep-alive {interval} s x {attempts}): a node loss restarts only once the lost node's "
+            f"last heartbeat is {interval * attempts} s old and the replacement launcher has started, and both "
+            "nodes' launchers, savers and replica copies share this host's cores with the training they measure. "
+            "At scale, --model projects them.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -721,8 +900,9 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args)
     print()
     print(report(result))
-    print()
-    print(NOTE)
+    if any(c in TWO_NODE for c in args.configs):
+        print()
+        print(two_node_note(args))
     bad = [r for r in result["runs"] if r["mismatches"]]
     if args.json:
         with open(args.json, "w") as f:

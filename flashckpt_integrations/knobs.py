@@ -60,6 +60,10 @@ GRACE_S = "FLASHCKPT_GRACE_S"
 """Seconds between SIGTERM and SIGKILL when the job is stopped (default 30, Kubernetes' default
 ``terminationGracePeriodSeconds``): the node's saver persists the newest memory snapshot within
 it (see ``core/preemption.py``). Set it to the grace your scheduler gives."""
+STOP_NOTICE = "FLASHCKPT_STOP_NOTICE"
+"""``0``: a rank that gets SIGTERM dies at once, as without flashckpt. Default on: it first asks its
+node's saver to persist the newest snapshot and waits for that, within ``FLASHCKPT_GRACE_S`` (see
+``core/stop_notice.py``); ``flashckpt-run`` sets ``0`` for its workers, it persists on SIGTERM itself."""
 NODE_CHECK_PLUGINS = "FLASHCKPT_NODE_CHECK_PLUGINS"
 """Comma-separated modules the node check imports before it picks a check (they call
 ``register_node_check``; the last registered available check wins). Tests use it to make a rank slow."""

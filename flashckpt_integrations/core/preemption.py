@@ -10,6 +10,10 @@ Call order, in the saver process:
 
 1. :func:`install` (at start, main thread): SIGTERM and SIGINT set the saver's stop deadline
    (now + ``FLASHCKPT_GRACE_S``, default 30 s, the Kubernetes default grace) instead of killing it.
+   A rank's ``stopping`` notice (its SIGTERM, see :mod:`.stop_notice`) sets it too, through
+   :class:`StopRequests` on the serve loop: ``ask`` when it arrives, ``settle`` on every turn of
+   the loop (a notice that follows a rank's failure is answered at once, nothing drained: the
+   launcher is stopping the other ranks), ``answer`` once the drain is done.
 2. The serve loop sees the deadline and goes on serving while ranks are still connected, until
    :func:`serve_until`: ranks killed by the same signal drop at once (the saver sums and takes up
    what each left behind); a rank that takes a last save on SIGTERM (``enable_jit_checkpoint``
@@ -67,13 +71,78 @@ def install(saver: Drainable) -> None:
     """Make SIGTERM and SIGINT start the saver's drain instead of ending it."""
 
     def stop(signum: int, _frame: Any) -> None:
-        if saver.stop_deadline is None:
-            saver.stop_deadline = time.monotonic() + grace_s()
-            logger.warning("%s: the job is being stopped; persisting what only memory holds within %.0fs",
-                           signal.Signals(signum).name, grace_s())
+        begin(saver, signal.Signals(signum).name)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+
+
+def begin(saver: Drainable, why: str) -> None:
+    """Start the saver's stop: its deadline is now + the grace."""
+    if saver.stop_deadline is None:
+        saver.stop_deadline = time.monotonic() + grace_s()
+        logger.warning("%s: the job is being stopped; persisting what only memory holds within %.0fs", why, grace_s())
+
+
+DECIDE_AFTER_S = 0.3
+"""How long a rank's ``stopping`` notice waits before the saver decides on it: the disconnection
+of a rank that failed (and made the launcher stop the others) may still be on its way."""
+FAILURE_WINDOW_S = 10.0
+"""A notice this soon after a rank of the node disconnected without closing follows a failure."""
+
+
+class Connection(Protocol):
+    def send(self, message: dict[str, Any]) -> None: ...
+
+
+class StopRequests:
+    """The ranks' ``stopping`` notices on one saver (see the module docstring); serve-loop thread only."""
+
+    def __init__(self) -> None:
+        self._asked: list[tuple[Connection, Any, int, float]] = []
+        self._waiting: list[tuple[Connection, Any]] = []
+        self._failed_at: float | None = None
+        self.stopping: set[int] = set()
+        """Ranks that asked and wait for the drain: they take no more saves."""
+
+    @property
+    def pending(self) -> bool:
+        """Notices not decided on yet."""
+        return bool(self._asked)
+
+    def ask(self, conn: Connection, request: dict[str, Any]) -> None:
+        self._asked.append((conn, request.get("id"), int(request["rank"]), time.monotonic()))
+
+    def rank_failed(self) -> None:
+        """A rank disconnected without closing."""
+        self._failed_at = time.monotonic()
+
+    def settle(self, saver: Drainable) -> None:
+        """Decide on the notices that waited :data:`DECIDE_AFTER_S` (all of them once stopping)."""
+        now = time.monotonic()
+        for item in list(self._asked):
+            conn, rid, rank, at = item
+            if saver.stop_deadline is None and now - at < DECIDE_AFTER_S:
+                continue
+            self._asked.remove(item)
+            if saver.stop_deadline is None and self._failed_at is not None and self._failed_at > at - FAILURE_WINDOW_S:
+                logger.info("rank %d got SIGTERM right after a rank of this node failed: the launcher is stopping "
+                            "the others; nothing is drained", rank)
+                conn.send({"id": rid, "ok": True, "drained": False,
+                           "reason": "a rank of this node failed just before; nothing drained"})
+                continue
+            begin(saver, f"rank {rank} got SIGTERM")
+            self.stopping.add(rank)
+            self._waiting.append((conn, rid))
+
+    def answer(self, result: rescue.RescueResult | None) -> None:
+        """Tell the ranks waiting for the drain how it went (they then die of their SIGTERM)."""
+        drained = result is not None and result.status in (rescue.RescueStatus.COMMITTED,
+                                                            rescue.RescueStatus.PERSISTED)
+        reason = result.reason if result is not None else "nothing was persisted"
+        for conn, rid in self._waiting:
+            conn.send({"id": rid, "ok": True, "drained": drained, "reason": reason})
+        self._waiting = []
 
 
 def serve_until(saver: Drainable) -> float:

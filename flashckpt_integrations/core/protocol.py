@@ -42,6 +42,7 @@ class TrainerOp:
     REPLICA_PUSH = "replica_push"
     REPLICA_INVENTORY = "replica_inventory"
     REPLICA_FETCH = "replica_fetch"
+    STOPPING = "stopping"
 
 
 TRAINER_OPS = {
@@ -55,6 +56,9 @@ TRAINER_OPS = {
     TrainerOp.REPLICA_PUSH: "offer a sealed snapshot to the peers (per-snapshot copies; answered at once)",
     TrainerOp.REPLICA_INVENTORY: "which replicas of this rank the job's savers hold",
     TrainerOp.REPLICA_FETCH: "copy one replica from the saver holding it into one of the rank's slots",
+    TrainerOp.STOPPING: "the rank got SIGTERM (on a connection of its own): unless a rank of the node failed just "
+                        "before, the saver persists the newest snapshot every local rank holds, then answers "
+                        "(drained, reason)",
 }
 """Every trainer -> saver operation and what it asks (the saver's dispatcher answers any other with an error)."""
 

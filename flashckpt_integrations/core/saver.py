@@ -100,7 +100,8 @@ class Saver:
         """Persists submitted and not finished (``pending`` also counts commits)."""
         self.pending_lock = threading.Lock()
         self.stop_deadline: float | None = None
-        """Set when the job is being stopped (SIGTERM, SIGINT): see :mod:`.preemption`."""
+        """Set when the job is being stopped (SIGTERM, SIGINT, a rank's notice): see :mod:`.preemption`."""
+        self.stops = preemption.StopRequests()
         self.longest_persist_s = 0.0
         """The longest persist so far: how much of the grace a stopped saver keeps for its drain."""
         self.recovered: set[tuple[str, int]] = set()
@@ -116,13 +117,15 @@ class Saver:
         logger.info("saver %d serving %s (watching pid %s)", os.getpid(), self.run_dir, self.watch_pid)
         self.recover()
         while self.stop_deadline is None and not self._should_exit():
-            self._serve_once(listener)
+            self._serve_once(listener, timeout=0.05 if self.stops.pending else 0.5)
+            self.stops.settle(self)
         if self.stop_deadline is not None:  # the job is being stopped: see preemption
-            self.selector.unregister(listener)
             settle = time.monotonic() + preemption.SETTLE_S
             while self._ranks_connected() and time.monotonic() < max(settle, preemption.serve_until(self)):
-                self._serve_once(listener, timeout=0.05)
-            preemption.drain(self)
+                self._serve_once(listener, timeout=0.05)  # the other ranks' notices come on new connections
+                self.stops.settle(self)
+            self.selector.unregister(listener)
+            self.stops.answer(preemption.drain(self))
             logger.info("saver %d exiting", os.getpid())
             self.replication.close(remove=False)
             return
@@ -161,7 +164,8 @@ class Saver:
 
     def _ranks_connected(self) -> bool:
         """Whether a trainer is still connected (peer savers and ``flashckpt ls`` do not count)."""
-        return any(conn.rank is not None for conn in list(self.connections.values()))
+        return any(conn.rank is not None and conn.rank not in self.stops.stopping
+                   for conn in list(self.connections.values()))
 
     def persists_in_flight(self) -> int:
         with self.pending_lock:
@@ -202,6 +206,7 @@ class Saver:
         if conn.rank is not None and conn.rank not in self.closed_clean:
             logger.warning("rank %d disconnected without closing (crashed or killed)", conn.rank)
             self.lost_ranks = True
+            self.stops.rank_failed()
             self._sum_left_behind(conn.rank, functools.partial(verify.writer_gone, dropped=conn.writer))
             self.recover()
 
@@ -304,6 +309,8 @@ class Saver:
             self._sum_left_behind(conn.rank, functools.partial(verify.writer_gone, hello=conn.writer))
             self.recover(dead_only=True)
             conn.send({"id": rid, "ok": True, "pid": os.getpid(), "replica_pushes": self.replication.wants_pushes()})
+        elif op == TrainerOp.STOPPING:
+            self.stops.ask(conn, request)
         elif op == TrainerOp.PING:
             conn.send({"id": rid, "ok": True, "pid": os.getpid()})
         elif op == TrainerOp.CLOSE:

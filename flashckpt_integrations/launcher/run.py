@@ -458,6 +458,7 @@ def launch(config: LaunchConfig, entrypoint: Any, args: Sequence[Any], care: Nod
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs,
     )
     master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+    os.environ[knobs.STOP_NOTICE] = "0"  # its workers die at SIGTERM: this launcher persists on SIGTERM itself
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     values.update(local_world_size=config.nproc_per_node, entrypoint=entrypoint, args=tuple(args),

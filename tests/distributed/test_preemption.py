@@ -136,3 +136,54 @@ def test_a_loop_with_stop_signal_persists_the_step_it_was_in_and_the_job_resumes
     finally:
         for run_dir in run_dirs:
             kill_savers(run_dir)
+
+
+@pytest.mark.parametrize("how", ["preempted", "crashed"])
+def test_sigterm_to_torchrun_alone_persists_the_newest_snapshot_but_a_crash_restarts_at_once(tmp_path, private_shm_dir,
+                                                                                             how):
+    """No handler of the script's own. ``preempted``: SIGTERM to torchrun only (a container's first
+    process); torchrun passes it on to its workers, which ask their saver to persist the newest
+    snapshot (step 13, memory only) and die once it is committed; torchrun then exits, and the
+    container with the saver in it. ``crashed``: rank 1 is SIGKILLed, so torchrun SIGTERMs rank 0:
+    that is a failure, not a stop: rank 0 dies at once, nothing is persisted, and the relaunch
+    resumes from memory as after any crash."""
+    ckpt, shm = tmp_path / "ckpt", [os.path.join(private_shm_dir, "node0")]
+    os.makedirs(shm[0], mode=0o700)
+    run_dirs: list[str] = []
+    try:
+        job = launch(ckpt, tmp_path / "run1", shm, 1, "--pause-at", str(STOP_AT))
+        wait_for(lambda: all(os.path.exists(tmp_path / "run1" / f"paused-{r}") for r in (0, 1)),
+                 f"both ranks at step {STOP_AT}", job)
+        wait_for(lambda: (ckpt / ".flashckpt" / "steps" / "10" / "COMMITTED").exists(), "the commit of step 10", job)
+        recs = records(tmp_path / "run1")
+        run_dirs = sorted({r["run_dir"] for r in recs})
+        stopped = time.monotonic()
+        if how == "preempted":
+            os.kill(job[0].pid, signal.SIGTERM)
+        else:
+            os.kill(recs[1]["pid"], signal.SIGKILL)
+        output, _ = job[0].communicate(timeout=60)
+        took = time.monotonic() - stopped
+        commits = sorted(int(p.split(os.sep)[-2]) for p in glob.glob(str(ckpt / ".flashckpt" / "steps" / "*" /
+                                                                            "COMMITTED")))
+        if how == "preempted":
+            kill_savers(run_dirs[0])  # torchrun has exited: the container, and the node, go now
+            assert commits == [10, STOP_AT], (commits, output[-3000:])
+            assert "persisted the newest snapshot" in output, output[-3000:]
+            for name in os.listdir(shm[0]):  # the node is gone
+                os.unlink(os.path.join(shm[0], name))
+            expected = (STOP_AT, "storage")
+        else:
+            assert commits == [10], (commits, output[-3000:])
+            assert took < 15, f"torchrun took {took:.0f}s to end after the crash:\n{output[-3000:]}"
+            expected = (STOP_AT, "memory")
+
+        (second,) = launch(ckpt, tmp_path / "run2", shm, 1)
+        output, _ = second.communicate(timeout=180)
+        assert second.returncode == 0, output[-4000:]
+        for rec in records(tmp_path / "run2"):
+            assert (rec["load"]["step"], rec["load"]["source"]) == expected, rec["load"]
+        assert_like_uninterrupted(tmp_path / "run2", STEPS, 2)
+    finally:
+        for run_dir in run_dirs:
+            kill_savers(run_dir)

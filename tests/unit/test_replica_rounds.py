@@ -127,3 +127,35 @@ def test_a_round_holds_the_trainers_slot_for_the_copy_only_and_checksums_its_own
         store.release(replica)
         source.close()
         store.close()
+
+
+def test_rounds_pay_for_their_cpu_from_idle_time_and_never_less_than_the_cpu_share(monkeypatch, tmp_path):
+    """A node whose CPUs wait (for GPUs) lets rounds take half its idle CPU time; a busy node, the
+    fixed share of its CPUs; a container's quota caps what counts as idle."""
+    from flashckpt_integrations._utils.cpus import IdleMeter
+    from flashckpt_integrations.core.replication import pacing
+
+    monkeypatch.delenv("FLASHCKPT_REPLICA_CPU", raising=False)
+    monkeypatch.delenv("FLASHCKPT_REPLICA_IDLE", raising=False)
+    assert pacing.cpu_allowance(8, None) == 0.08  # unknown idle time: 1% of 8 CPUs
+    assert pacing.cpu_allowance(8, 0.0) == 0.08  # every CPU busy training
+    assert pacing.cpu_allowance(8, 6.0) == 3.0  # six CPUs idle: half of them
+    monkeypatch.setenv("FLASHCKPT_REPLICA_IDLE", "0.1")
+    assert abs(pacing.cpu_allowance(8, 6.0) - 0.6) < 1e-9
+
+    # A cgroup v2 quota of 1.5 CPUs, of which 1.0 CPU s/s are used: at most 0.5 CPUs are idle,
+    # however idle the host's CPUs are.
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "cpu.stat").write_text("usage_usec 0\nuser_usec 0\n")
+    meter = IdleMeter(str(tmp_path))
+    started = time.monotonic()
+    time.sleep(0.2)
+    (tmp_path / "cpu.stat").write_text(f"usage_usec {int((time.monotonic() - started) * 1e6)}\nuser_usec 0\n")
+    rate = meter.rate()
+    assert rate is not None and rate <= 0.5 + 0.05, rate
+    # Without a quota, the idle time of this process's CPUs (a sleeping test leaves most idle).
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    meter = IdleMeter(str(tmp_path))
+    time.sleep(0.2)
+    rate = meter.rate()
+    assert rate is not None and 0 <= rate <= len(os.sched_getaffinity(0)) + 0.05, rate

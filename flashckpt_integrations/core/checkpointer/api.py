@@ -20,7 +20,7 @@ import torch
 from ... import knobs
 from ...config import CheckpointerConfig
 from ...errors import FlashCkptError
-from .. import collectives, lineage, verify
+from .. import collectives, lineage, stop_notice, verify
 from ..client import SaverClient, job_id_for, job_key, run_dir_for
 from ..layout import Layout
 from ..replication.rank import ReplicaHook
@@ -111,6 +111,7 @@ class Checkpointer:
             self.attach_optimizer(optimizer)
         self._atexit = _AtExit(self)
         atexit.register(self._atexit)
+        stop_notice.install(self, self.run_dir, self.rank)  # SIGTERM: the saver persists the newest first
 
     # --- saving ------------------------------------------------------------------------------
 
@@ -292,6 +293,7 @@ class Checkpointer:
             return
         self._closed = self.slots.closed = True
         atexit.unregister(self._atexit)
+        stop_notice.uninstall(self)
         if not clean:  # answers still awaited (a commit a lost peer holds up) are not waited for
             self.requests.leave()
         self.slots.stop_background()  # a queued purge (retention after a direct commit) still runs

@@ -1,0 +1,193 @@
+"""A rank that gets SIGTERM tells its node's saver before it dies, under any launcher.
+
+When a job is stopped through its launcher alone (Kubernetes sends SIGTERM to a container's
+first process, often ``torchrun``, which passes SIGTERM on to its workers and exits once they are
+gone), the workers die at once and the launcher right after; where the launcher is the
+container's first process, the kernel then kills everything else in it, the saver too. Every
+snapshot newer than the last commit would be lost. So a rank's SIGTERM first asks the saver to
+persist the newest snapshot every rank of the node holds (the saver's drain, see
+:mod:`.preemption`), waits for that, and only then dies of SIGTERM as it would have: the launcher
+waits for its workers, so the drain finishes before it exits.
+
+A launcher also sends SIGTERM to the other workers when one of them failed (``torchrun`` does so
+before a restart or an exit). The saver tells the two apart: a rank that disconnected without
+closing shortly before is a failure, and then it answers at once that nothing is drained, so a
+crash restarts as fast as without this.
+
+Call order, in a rank's process:
+
+1. :func:`install` (``Checkpointer.__init__``, main thread): only where SIGTERM still has its
+   default action (a script's own handler, :class:`flashckpt_integrations.StopSignal` and HF's
+   ``enable_jit_checkpoint`` keep theirs), no signal wakeup fd is set, and
+   ``$FLASHCKPT_STOP_NOTICE`` is not ``0`` (``flashckpt-run`` sets it: it persists on SIGTERM
+   itself). It sets a Python-level SIGTERM handler and a wakeup fd, and starts one thread.
+2. SIGTERM: the interpreter's C-level handler writes the signal number to the wakeup fd at once,
+   even while the main thread waits in a collective; the thread sends ``stopping`` to each
+   registered saver on a connection of its own and waits for the answer (at most the grace,
+   ``$FLASHCKPT_GRACE_S``). The Python-level handler, once the main thread runs Python again,
+   waits for the same answer (no more training, no more saves), puts the default action back
+   and sends itself SIGTERM. A main thread still stuck in a C call a second after the answer is
+   ended by the thread with exit status 143 (128 + SIGTERM).
+3. :func:`uninstall` (``Checkpointer.shutdown``): once no registered checkpointer is left, the
+   previous handler and wakeup fd are put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from .. import knobs
+from .preemption import grace_s
+from .protocol import SOCKET_NAME, TrainerOp
+
+logger = logging.getLogger(__name__)
+
+DIE_AFTER_S = 1.0
+"""How long after the saver's answer a main thread stuck in a C call has to die by itself."""
+
+
+class _Notice:
+    """The process's one installed notice (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.targets: dict[int, tuple[str, int]] = {}  # id(checkpointer) -> (run dir, rank)
+        self.lock = threading.Lock()
+        self.started = False
+        self.done = threading.Event()
+        self.previous_fd = -1
+        self.reader, self.writer = socket.socketpair()
+        self.writer.setblocking(False)
+        self.thread = threading.Thread(target=self._watch, name="flashckpt-stop-notice", daemon=True)
+
+    def on_sigterm(self, signum: int, _frame: Any) -> None:
+        """The Python-level handler (main thread): wait for the saver, then die of SIGTERM."""
+        self.trigger()
+        self.done.wait(grace_s() + DIE_AFTER_S)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def trigger(self) -> None:
+        with self.lock:
+            if self.started:
+                return
+            self.started = True
+        threading.Thread(target=self._notify, name="flashckpt-stopping", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Wake on the signal numbers the interpreter writes to the wakeup fd."""
+        while True:
+            try:
+                data = self.reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self.on_sigterm:
+                self.trigger()
+
+    def _notify(self) -> None:
+        with self.lock:
+            targets = sorted(set(self.targets.values()))
+        deadline = time.monotonic() + grace_s()
+        for run_dir, rank in targets:
+            answer = ask_saver(run_dir, rank, deadline)
+            if answer.get("drained"):
+                logger.warning("[RANK %d] SIGTERM: the node's saver persisted the newest snapshot (%s); exiting",
+                               rank, answer.get("reason", ""))
+            else:
+                logger.warning("[RANK %d] SIGTERM: exiting (the node's saver: %s)", rank,
+                               answer.get("reason") or answer.get("error") or "no answer")
+        self.done.set()
+        time.sleep(DIE_AFTER_S)
+        os._exit(128 + signal.SIGTERM)  # the main thread is stuck in a C call: end as SIGTERM would have
+
+
+def ask_saver(run_dir: str, rank: int, deadline: float) -> dict[str, Any]:
+    """Send ``stopping`` to the saver of ``run_dir`` and wait for its answer until ``deadline``;
+    ``{"error": ...}`` when there is none (no saver, or it did not answer in time)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            sock.connect(os.path.join(run_dir, SOCKET_NAME))
+            sock.sendall((json.dumps({"op": TrainerOp.STOPPING, "id": 1, "rank": rank}) + "\n").encode())
+            buffer = b""
+            while b"\n" not in buffer:
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                data = sock.recv(4096)
+                if not data:
+                    return {"error": "the saver closed the connection"}
+                buffer += data
+            return json.loads(buffer.split(b"\n", 1)[0])
+    except (OSError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+_installed: _Notice | None = None
+_install_lock = threading.Lock()
+
+
+def install(owner: object, run_dir: str, rank: int) -> bool:
+    """Register ``owner`` (a checkpointer) for the notice, installing it once per process where
+    it applies (see the module docstring); whether the notice covers ``owner``."""
+    global _installed
+    with _install_lock:
+        if _installed is not None:
+            with _installed.lock:
+                _installed.targets[id(owner)] = (run_dir, rank)
+            return True
+        if knobs.get(knobs.STOP_NOTICE, "1") == "0" or threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+            logger.debug("SIGTERM has a handler of its own; no stop notice")
+            return False
+        notice = _Notice()
+        try:
+            previous = signal.set_wakeup_fd(notice.writer.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError) as exc:
+            logger.debug("no stop notice: %s", exc)
+            notice.reader.close()
+            notice.writer.close()
+            return False
+        if previous != -1:  # an event loop's: leave it alone
+            signal.set_wakeup_fd(previous)
+            notice.reader.close()
+            notice.writer.close()
+            return False
+        signal.signal(signal.SIGTERM, notice.on_sigterm)
+        notice.targets[id(owner)] = (run_dir, rank)
+        notice.thread.start()
+        _installed = notice
+        return True
+
+
+def uninstall(owner: object) -> None:
+    """Unregister ``owner``; the last one out puts the previous handler and wakeup fd back (from
+    the main thread; elsewhere the notice stays, harmless, until the process ends)."""
+    global _installed
+    with _install_lock:
+        notice = _installed
+        if notice is None:
+            return
+        with notice.lock:
+            notice.targets.pop(id(owner), None)
+            if notice.targets or notice.started:
+                return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) == notice.on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with contextlib.suppress(ValueError, OSError):
+            current = signal.set_wakeup_fd(notice.previous_fd)
+            if current != notice.writer.fileno():  # set by someone else since: theirs stays
+                signal.set_wakeup_fd(current)
+        notice.writer.close()
+        notice.reader.close()  # the thread's recv ends
+        _installed = None
