@@ -5,8 +5,10 @@ seeded exponential process kills it, restarted by its launcher each time.
     python benchmarks/bench_goodput.py --quick                   # a few minutes
     python benchmarks/bench_goodput.py --json out.json           # the sweep: 120 s runs, MTBF 10 20 40 s, 3 repeats
     python benchmarks/bench_goodput.py --model [--from-json out.json] [--storage-gbps 2000]
+    python benchmarks/bench_goodput.py --configs none,flashckpt-2node,replicas --mtbf 10 --repeats 1 --budget-s 60
 
-Configurations, round-robin in each repeat (the ceiling once per repeat, the others once per MTBF):
+Configurations (``--configs``, default all), round-robin in each repeat (the ceiling once per
+repeat, the others once per MTBF):
 
 - ``none``: no checkpointing, no failures: the ceiling.
 - ``torch.save``: rank 0 writes ``torch.save`` + fsync (temporary file, then rename) every N steps,
@@ -16,15 +18,41 @@ Configurations, round-robin in each repeat (the ceiling once per repeat, the oth
   k and N at their own Young/Daly optima: k for the measured stall of a snapshot (at most 3), N for
   what a persist takes from training (the savers' measured CPU time) against the node losses
   alone, since a process failure resumes from memory (``--snapshot-every``, ``--persist-every``).
-- Peer replicas (``replicas=1``) need two simulated nodes, two agents on a 2-core host; they are
-  not measured here (see the note printed with the table), only modelled by ``--model``.
+- ``flashckpt-2node``: ``flashckpt`` with the same k and N on two simulated nodes, one rank each
+  (still 2 ranks in all): a node loss resumes from storage. The baseline for ``replicas``.
+- ``replicas``: ``flashckpt-2node`` with ``Checkpointer(..., replicas=1)``: each node's saver keeps
+  copies of the other node's rank's snapshots in its own shared memory, so that a lost node's rank
+  can resume from its peer's memory: from the newest step that every rank holds in memory or in a
+  replica, where that is newer than the newest commit.
+
+Two simulated nodes: one ``flashckpt-run`` per node on this host, each with its own
+``FLASHCKPT_NODE_ID``, ``FLASHCKPT_SHM_DIR``, ``FLASHCKPT_RUN_DIR`` and saver, joined by torch
+elastic's c10d rendezvous on loopback (``--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d``).
+``--node-rank`` is not used: it applies to the static rendezvous only, which cannot take a node that
+replaces a lost one (it has no rounds: node rank 0's agent hosts its store, and the workers' process
+group keys carry each agent's own restart count, so a replacement agent, at count 0, never meets the
+surviving node's rank). Node ranks come from
+``flashckpt-run``'s topology order instead (``--topology-switch`` with ``--node-name node0|node1``:
+nodes ordered by name), so rank r stays on node r through every restart and a restarted rank finds
+its own memory. The rendezvous store is served by the benchmark's driver (``is_host=0`` on both
+agents), as a service that outlives any training node would serve it, so either node can be lost.
+A dead node leaves the rendezvous once its last heartbeat is ``--rdzv-keep-alive`` old (1 s x 3
+attempts here; torch's default is 5 s x 3).
 
 Failures: after each (re)start, once the job has completed its first step, the next failure comes
 after an exponential time with mean ``--mtbf`` of training (the clock runs while the job trains).
 It SIGKILLs a random rank; a share ``--node-loss`` of the failures are node losses that also kill
 the node's saver, empty its shared-memory directory and drop the checkpoint files from the page
 cache (a replacement node reads storage cold). The same seed gives every configuration the same
-draws.
+draws. On one node (the first three configurations) the launcher survives a node loss and restarts
+the workers. On two nodes a node loss takes the drawn rank's node whole: its launcher (agent), its
+warm-start template, its rank and its saver are SIGKILLed, its shared-memory directory emptied, its
+run directory removed and the checkpoint files dropped from the page cache; then a replacement
+launcher for that node starts at once with the same command, as a cluster would start a new pod.
+The surviving node's launcher is not restarted: its rank fails on its next collective with the lost
+one (or its agent sees the new node waiting), and torch elastic stops it, rejoins the rendezvous and
+starts it again once the lost node's heartbeat has expired and the replacement has joined. A
+process failure kills the drawn rank only; both agents then restart their ranks and re-rendezvous.
 
 The budget runs from the job's first completed step (the first start costs every configuration
 the same). Goodput = useful steps (the highest step completed within the budget, so redone steps
@@ -32,10 +60,14 @@ do not count) / the steps the ceiling completes in the same budget. Per failure:
 redone), restart time (kill to the end of the first step after it, and process start to first
 step), split into launcher (kill to worker process start), interpreter and imports, process
 group, checkpointer (model built, saver connected), load and first step, from timestamps that the
-workers record. The stall per checkpoint is the time the save holds the training loop. The ``model`` column is
+workers record; on two nodes the launcher part holds the c10d rendezvous (torch elastic polls it
+once a second) and, after a node loss, the heartbeat expiry and the replacement launcher's start.
+The stall per checkpoint is the time the save holds the training loop. The ``model`` column is
 ``_goodput_model.goodput`` fed with the run's own measured failures, downtimes, mean step time and
-commit time, and the lost work it models (half the interval between usable checkpoints): the
-check that the projection at scale rests on a model that explains what was measured here.
+commit time, and the lost work it models (half the interval between usable checkpoints; for
+``replicas`` after a node loss, the shorter of the storage window and the replica window, the
+latter from the times at which the driver saw each replica held by the peer): the check that the
+projection at scale rests on a model that explains what was measured here.
 
 Every step is a pure function of (seed, step, rank) and the state restored, so every
 configuration must reproduce the ceiling's parameters: rank 0 records a CRC-32 of the parameters

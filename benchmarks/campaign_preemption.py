@@ -7,7 +7,8 @@ each, so that no job ends within a grace), waits until it has trained a random n
 (4 to 20), sends SIGTERM the way the configuration's cluster delivers it
 (``all``: every process of the job, the savers too, as Slurm and ``kill`` do; ``agent``: the
 launcher only, as Kubernetes does to a container's first process), SIGKILLs whatever is left when the
-grace is over, wipes the node's memory and run directory, and relaunches the same command to the
+grace is over (with ``agent``, as soon as the launcher exits: the container, the saver in it, goes
+with its first process), wipes the node's memory and run directory, and relaunches the same command to the
 end (with steps of 0.02 s). Counted per trial: the newest step a restart could have resumed from when SIGTERM came (the
 newest snapshot in memory, or for the stock Trainer its newest checkpoint folder), the step the
 relaunch resumed from, the steps lost beyond that snapshot (``max(0, snapshot - resumed)``), whether
@@ -154,7 +155,10 @@ def trial(name: str, grace: float, rng: random.Random, base: str, hf_final: dict
         kill([proc.pid], signal.SIGTERM)
     stopped = time.monotonic()
     at, snapshot = (seen[-1]["at"], seen[-1]["snapshot"]) if seen else (0, None)
-    while time.monotonic() - stopped < grace and (proc.poll() is None or savers(shm)):
+    # ``agent``: the launcher is the container's first process; once it exits, the kernel kills
+    # everything else in the container, the saver too.
+    while time.monotonic() - stopped < grace and proc.poll() is None or (
+            config["term"] == "all" and time.monotonic() - stopped < grace and savers(shm)):
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -9,7 +9,8 @@ Where each module runs:
   ``direct``, a save straight to storage when /dev/shm is too small; ``engine`` is its old import
   path), ``state`` (plans and copies), ``restore``, ``codecs`` (reading files back),
   ``replication.rank`` (the rank's side of peer replicas), ``client`` (the socket to the saver),
-  ``collectives``; ``rescue`` runs in the CLI and the launcher (``flashckpt persist``);
+  ``stop_notice`` (a rank's SIGTERM asks the saver to persist first), ``collectives``; ``rescue``
+  runs in the CLI and the launcher (``flashckpt persist``);
 - the saver process (``python -m flashckpt_integrations.core.saver``, no torch): ``saver`` (the
   process: socket, ops, recovery, exit), ``preemption`` (what it does on SIGTERM),
   ``replication`` (peer replicas, a package; the CLI and ``rescue`` read its replica slots too);
