@@ -215,23 +215,25 @@ def trial(name: str, rng: random.Random, base: str, expected: dict, keep: bool =
 
 
 def table(rows: list[dict]) -> str:
-    """Per configuration: trials, hangs, failed relaunches, final states that differ, where rank 1
+    """Per configuration: trials, hangs, failed relaunches, restored or final states that differ from
+    an uninterrupted run's, where rank 1
     (the lost node's) resumed from, and the steps lost against the newest snapshot at the loss."""
     by = collections.defaultdict(list)
     for row in rows:
         by[row["config"]].append(row)
-    lines = ["| configuration | trials | hangs | relaunch failed | final state differs | a replica newer than "
-             "the newest commit | lost node resumed from peer memory | ... where such a replica was held | "
-             "steps lost: median (max) | node 0 ended after the loss: max |",
+    lines = ["| configuration | trials | hangs | relaunch failed | restored or final state differs | "
+             "a replica newer than the newest commit | lost node resumed from peer memory | "
+             "... where such a replica was held | steps lost: median (max) | node 0 ended after the loss: max |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, group in by.items():
         held = [r for r in group if r["replica"] is not None and r["replica"] > r["commit"]]
         peer = [r for r in group if (r.get("tiers") or {}).get("1") == "replica"]
         held_peer = [r for r in held if (r.get("tiers") or {}).get("1") == "replica"]
         lost = [r["lost"] for r in group]
+        differs = sum(not r["equal"] or not all(r.get("restored_equal") or [False]) for r in group)
         lines.append(
             f"| {name} | {len(group)} | {sum(r['hang'] for r in group)} | {sum(not r['completed'] for r in group)} | "
-            f"{sum(not r['equal'] for r in group)} | {len(held)} | {len(peer)} of {len(group)} | "
+            f"{differs} | {len(held)} | {len(peer)} of {len(group)} | "
             f"{len(held_peer)} of {len(held)} | {statistics.median(lost):g} ({max(lost)}) | "
             f"{max(r['exit_s'] for r in group):.0f} s |")
     return "\n".join(lines)
