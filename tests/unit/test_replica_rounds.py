@@ -159,3 +159,19 @@ def test_rounds_pay_for_their_cpu_from_idle_time_and_never_less_than_the_cpu_sha
     time.sleep(0.2)
     rate = meter.rate()
     assert rate is not None and 0 <= rate <= len(os.sched_getaffinity(0)) + 0.05, rate
+
+
+def test_a_receive_cut_short_after_the_store_closed_gives_up_quietly(private_shm_dir):
+    """A peer's copy still arriving when the job ends cleanly: the store is closed (its slots
+    unmapped), then the receive fails and abandons its slot, which must not raise (it raised
+    ``TypeError`` on the unmapped slot), and the closed store makes no new slot."""
+    store = ReplicaStore(private_shm_dir, "closingjob")
+    slot = store.begin(0, 1, 1, 0, 1 << 20)
+    store.close()
+    store.abandon(slot, 0)
+    try:
+        store.begin(0, 2, 2, 0, 1 << 20)
+    except store_module.ReplicaSkipped as exc:
+        assert "closed" in str(exc)
+    else:
+        raise AssertionError("a closed store made a new slot")
