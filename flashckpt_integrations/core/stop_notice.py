@@ -30,6 +30,10 @@ Call order, in a rank's process:
    ended by the thread with exit status 143 (128 + SIGTERM).
 3. :func:`uninstall` (``Checkpointer.shutdown``): once no registered checkpointer is left, the
    previous handler and wakeup fd are put back.
+
+A child forked from a rank (a ``DataLoader`` worker) is not a rank: right after the fork it gets
+the default SIGTERM back and no wakeup fd (the inherited one would carry its signals to the
+rank's thread), so a worker terminated by its ``DataLoader`` dies as it always did.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class _Notice:
     """The process's one installed notice (see the module docstring)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()
         self.targets: dict[int, tuple[str, int]] = {}  # id(checkpointer) -> (run dir, rank)
         self.lock = threading.Lock()
         self.started = False
@@ -69,8 +74,9 @@ class _Notice:
 
     def on_sigterm(self, signum: int, _frame: Any) -> None:
         """The Python-level handler (main thread): wait for the saver, then die of SIGTERM."""
-        self.trigger()
-        self.done.wait(grace_s() + DIE_AFTER_S)
+        if os.getpid() == self.pid:  # not in a forked child that kept the handler
+            self.trigger()
+            self.done.wait(grace_s() + DIE_AFTER_S)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -132,13 +138,29 @@ def ask_saver(run_dir: str, rank: int, deadline: float) -> dict[str, Any]:
 
 _installed: _Notice | None = None
 _install_lock = threading.Lock()
+_fork_hook = False
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child: the default SIGTERM and no wakeup fd (see the module docstring)."""
+    global _installed
+    notice, _installed = _installed, None
+    if notice is None:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+        if signal.getsignal(signal.SIGTERM) == notice.on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def install(owner: object, run_dir: str, rank: int) -> bool:
     """Register ``owner`` (a checkpointer) for the notice, installing it once per process where
     it applies (see the module docstring); whether the notice covers ``owner``."""
-    global _installed
+    global _installed, _fork_hook
     with _install_lock:
+        if not _fork_hook:
+            os.register_at_fork(after_in_child=_forget_in_child)
+            _fork_hook = True
         if _installed is not None:
             with _installed.lock:
                 _installed.targets[id(owner)] = (run_dir, rank)
