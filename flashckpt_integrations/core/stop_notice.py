@@ -59,36 +59,44 @@ DIE_AFTER_S = 1.0
 
 
 class _Notice:
-    """The process's one installed notice (see the module docstring)."""
+    """The process's one installed notice (see the module docstring).
+
+    The SIGTERM handler takes no lock: it runs between any two bytecodes of the main thread, which
+    may hold any lock at that moment, and a second SIGTERM (the launcher's, after the scheduler's)
+    may run it again inside itself. It only writes a byte to the thread's socket and polls a flag.
+    """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.targets: dict[int, tuple[str, int]] = {}  # id(checkpointer) -> (run dir, rank)
-        self.lock = threading.Lock()
-        self.started = False
-        self.done = threading.Event()
+        self.targets: dict[int, tuple[str, int]] = {}  # id(checkpointer) -> (run dir, rank); main thread only
+        self.snapshot: tuple[tuple[str, int], ...] = ()
+        """``targets`` as one immutable value, replaced whole: what the thread reads."""
+        self.started = False  # the thread's own
+        self.done = False
+        self.wait_s = grace_s() + DIE_AFTER_S
         self.previous_fd = -1
         self.reader, self.writer = socket.socketpair()
         self.writer.setblocking(False)
         self.thread = threading.Thread(target=self._watch, name="flashckpt-stop-notice", daemon=True)
 
+    def set_targets(self, targets: dict[int, tuple[str, int]]) -> None:
+        self.targets = targets
+        self.snapshot = tuple(sorted(set(targets.values())))
+
     def on_sigterm(self, signum: int, _frame: Any) -> None:
-        """The Python-level handler (main thread): wait for the saver, then die of SIGTERM."""
+        """The Python-level handler (main thread): wake the thread, wait for the saver, die of SIGTERM."""
         if os.getpid() == self.pid:  # not in a forked child that kept the handler
-            self.trigger()
-            self.done.wait(grace_s() + DIE_AFTER_S)
+            with contextlib.suppress(OSError):
+                self.writer.send(bytes([signal.SIGTERM]))  # in case the wakeup fd is no longer ours
+            deadline = time.monotonic() + self.wait_s
+            while not self.done and time.monotonic() < deadline:
+                time.sleep(0.02)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def trigger(self) -> None:
-        with self.lock:
-            if self.started:
-                return
-            self.started = True
-        threading.Thread(target=self._notify, name="flashckpt-stopping", daemon=True).start()
-
     def _watch(self) -> None:
-        """Wake on the signal numbers the interpreter writes to the wakeup fd."""
+        """Wake on the signal numbers the interpreter (or the handler) writes to the socket; the
+        first SIGTERM while the handler is installed sends the notice, from this thread."""
         while True:
             try:
                 data = self.reader.recv(64)
@@ -96,22 +104,22 @@ class _Notice:
                 return
             if not data:
                 return
-            if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self.on_sigterm:
-                self.trigger()
+            if not self.started and signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self.on_sigterm:
+                self.started = True
+                self._notify()
+                return
 
     def _notify(self) -> None:
-        with self.lock:
-            targets = sorted(set(self.targets.values()))
-        deadline = time.monotonic() + grace_s()
-        for run_dir, rank in targets:
-            answer = ask_saver(run_dir, rank, deadline)
+        deadline = time.monotonic() + self.wait_s - DIE_AFTER_S
+        answers = [(rank, ask_saver(run_dir, rank, deadline)) for run_dir, rank in self.snapshot]
+        self.done = True  # before logging: the main thread may hold a logging lock, it must not wait on it
+        for rank, answer in answers:
             if answer.get("drained"):
                 logger.warning("[RANK %d] SIGTERM: the node's saver persisted the newest snapshot (%s); exiting",
                                rank, answer.get("reason", ""))
             else:
                 logger.warning("[RANK %d] SIGTERM: exiting (the node's saver: %s)", rank,
                                answer.get("reason") or answer.get("error") or "no answer")
-        self.done.set()
         time.sleep(DIE_AFTER_S)
         os._exit(128 + signal.SIGTERM)  # the main thread is stuck in a C call: end as SIGTERM would have
 
@@ -162,8 +170,7 @@ def install(owner: object, run_dir: str, rank: int) -> bool:
             os.register_at_fork(after_in_child=_forget_in_child)
             _fork_hook = True
         if _installed is not None:
-            with _installed.lock:
-                _installed.targets[id(owner)] = (run_dir, rank)
+            _installed.set_targets({**_installed.targets, id(owner): (run_dir, rank)})
             return True
         if knobs.get(knobs.STOP_NOTICE, "1") == "0" or threading.current_thread() is not threading.main_thread():
             return False
@@ -184,7 +191,7 @@ def install(owner: object, run_dir: str, rank: int) -> bool:
             notice.writer.close()
             return False
         signal.signal(signal.SIGTERM, notice.on_sigterm)
-        notice.targets[id(owner)] = (run_dir, rank)
+        notice.set_targets({id(owner): (run_dir, rank)})
         notice.thread.start()
         _installed = notice
         return True
@@ -198,10 +205,9 @@ def uninstall(owner: object) -> None:
         notice = _installed
         if notice is None:
             return
-        with notice.lock:
-            notice.targets.pop(id(owner), None)
-            if notice.targets or notice.started:
-                return
+        notice.set_targets({k: v for k, v in notice.targets.items() if k != id(owner)})
+        if notice.targets or notice.started:
+            return
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGTERM) == notice.on_sigterm:
