@@ -74,7 +74,6 @@ class _Notice:
         self.started = False  # the thread's own
         self.done = False
         self.wait_s = grace_s() + DIE_AFTER_S
-        self.previous_fd = -1
         self.reader, self.writer = socket.socketpair()
         self.writer.setblocking(False)
         self.thread = threading.Thread(target=self._watch, name="flashckpt-stop-notice", daemon=True)
@@ -213,7 +212,7 @@ def uninstall(owner: object) -> None:
         if signal.getsignal(signal.SIGTERM) == notice.on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with contextlib.suppress(ValueError, OSError):
-            current = signal.set_wakeup_fd(notice.previous_fd)
+            current = signal.set_wakeup_fd(-1)  # install() only proceeds where none was set
             if current != notice.writer.fileno():  # set by someone else since: theirs stays
                 signal.set_wakeup_fd(current)
         notice.writer.close()
