@@ -122,6 +122,61 @@ class SlowStorage(LocalStorage):
         return super().open_write(path)
 
 
+class CountingStorage(LocalStorage):
+    """Local storage that counts the bytes read from data files, by every read path it has, in
+    the class-level :attr:`data_bytes`: under the path for positioned reads (``open_ranges``),
+    under ``"read:<path>"`` for whole-file and stream reads (``read``, ``open_read``)."""
+
+    data_bytes: dict[str, int] = {}
+
+    def __init__(self, root: str, **_: Any) -> None:
+        super().__init__(root)
+
+    def _count(self, key: str, n: int) -> None:
+        if Layout.is_data_file(key.removeprefix("read:")):
+            CountingStorage.data_bytes[key] = CountingStorage.data_bytes.get(key, 0) + n
+
+    def read(self, path: str) -> bytes:
+        data = super().read(path)
+        self._count(f"read:{path}", len(data))
+        return data
+
+    @contextlib.contextmanager
+    def open_read(self, path: str):  # type: ignore[override]
+        with super().open_read(path) as f:
+            yield _CountingFile(f, lambda n: self._count(f"read:{path}", n))
+
+    def open_ranges(self, path: str):  # type: ignore[override]
+        ranges = super().open_ranges(path)
+        readinto = ranges.readinto
+
+        def counted(offset: int, view: memoryview) -> int:
+            n = readinto(offset, view)
+            self._count(path, n)
+            return n
+
+        ranges.readinto = counted
+        return ranges
+
+
+class _CountingFile:
+    def __init__(self, f: Any, count: Any) -> None:
+        self._f, self._count = f, count
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._count(len(data))
+        return data
+
+    def readinto(self, view: Any) -> int:
+        n = self._f.readinto(view) or 0
+        self._count(n)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
 class FailingStorage(LocalStorage):
     """Local storage whose data-file writes fail like a full disk."""
 

@@ -7,7 +7,6 @@ Files read from storage are verified against the size and crc32 in the rank's do
 from __future__ import annotations
 
 import functools
-import io
 import json
 import sys
 from typing import Any
@@ -15,9 +14,9 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
-from .layout import file_mismatch
+from . import reading
 from .shm_buffer import Slot
-from .state import SAFE_GLOBALS, rebuild_safetensors, tensor_part_pickle, unpickle_torch
+from .state import rebuild_safetensors, tensor_part_pickle, unpickle_torch
 from .storage import Storage
 from .torchzip import archive_size
 from .writing import TORCH_STORAGE_ALIGNMENT, Codec
@@ -96,18 +95,19 @@ def read_file(
     expected: dict[str, Any] | None = None,
     weights_only: bool = True,
     map_location: Any = None,
+    target: Any = None,
+    locations: dict[int, str] | None = None,
 ) -> Any:
-    """Read a committed file through ``storage``; ``expected`` (a marker entry) is verified."""
-    data = storage.read(path)
-    problem = file_mismatch(path, data, expected) if expected is not None else None
-    if problem is not None:
-        raise CorruptCheckpointError(problem)
+    """Read a committed file through ``storage`` in one pass (:mod:`.reading`); ``expected`` (a
+    marker entry) is verified. ``target`` and ``locations``: see :func:`.reading.read_torch`."""
     codec = Codec(codec)
-    if codec is Codec.TORCH:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(io.BytesIO(data), weights_only=weights_only, map_location=map_location)
+    with reading.open_ranges(storage, path) as ranges:
+        if codec is Codec.TORCH:
+            return reading.read_torch(ranges, path, expected=expected, target=target, weights_only=weights_only,
+                                      map_location=map_location, locations=locations)
+        data = reading.read_bytes(ranges, path, expected=expected)
     if codec is Codec.SAFETENSORS:
         from safetensors.torch import load as st_load
 
-        return st_load(data)
-    return _decode_small(codec, data)
+        return st_load(bytes(data))
+    return _decode_small(codec, bytes(data))

@@ -169,10 +169,15 @@ def files_dir(storage: Storage, layout: Layout, step: int, record: dict[str, Any
 def file_mismatch(path: str, data: bytes, entry: dict[str, Any]) -> str | None:
     """Why the bytes read from committed file ``path`` are not the ones its rank marker ``entry``
     recorded (size and crc32), or None when they are."""
-    crc = zlib.crc32(data)
-    if len(data) == entry["size"] and crc == entry["crc32"]:
+    return checksum_mismatch(path, len(data), zlib.crc32(data), entry)
+
+
+def checksum_mismatch(path: str, size: int, crc: int, entry: dict[str, Any]) -> str | None:
+    """Why a committed file of ``size`` bytes and ``crc`` is not the one its rank marker
+    ``entry`` recorded, or None when it is."""
+    if size == entry["size"] and crc == entry["crc32"]:
         return None
-    return (f"{path}: size/checksum {len(data)}/{crc} differ from the {entry['size']}/{entry['crc32']} recorded "
+    return (f"{path}: size/checksum {size}/{crc} differ from the {entry['size']}/{entry['crc32']} recorded "
             "when it was written; the file was changed or truncated after the commit")
 
 

@@ -665,10 +665,12 @@ def unpickle_torch(
     weights_only: bool = True,
     map_location: Any = None,
     copy: bool = True,
+    refs: dict[str, int] | None = None,
 ) -> Any:
     """Rebuild a torch-codec object; ``storage_for_key(key)`` returns an untyped storage (no copy).
 
     With ``copy`` the tensors own fresh memory (one copy); without it they view the buffer.
+    ``refs``, when given, counts the tensors that view each storage key.
     """
     cache: dict[str, torch.storage.TypedStorage] = {}
 
@@ -680,6 +682,8 @@ def unpickle_torch(
             raise pickle.UnpicklingError(f"unknown persistent id {typename!r}")
         if isinstance(location, bytes):
             location = location.decode()
+        if refs is not None:
+            refs[key] = refs.get(key, 0) + 1
         if key not in cache:
             data = storage_for_key(key)
             if copy:

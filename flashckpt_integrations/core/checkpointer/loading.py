@@ -38,7 +38,7 @@ from ..replication.rank import ReplicaHook
 from ..restore import copy_into_target, is_files
 from ..results import LoadResult
 from ..shm_buffer import Slot, SlotState
-from ..state import Codec
+from ..state import Codec, FileSpec
 from ..storage import Storage
 from .attempt import Attempt
 from .saving import SavePath, files_of
@@ -272,9 +272,8 @@ class LoadPath:
                 files = self._restore_memory(slot, meta, target, map_location, weights_only, fused)
                 self.replicas.restored(slot)
             else:
-                files = self._load_from_storage(step, weights_only, map_location)
-                if target is not None:
-                    files = copy_into_target(files, self._target_files(target))
+                files = self._restore_storage(step, target, map_location, weights_only,
+                                              into_target=fused and len(choice.committed) > 1)
         except (CorruptCheckpointError, OSError, StorageError) as exc:
             return None, "failed", tier, f"{type(exc).__name__}: {exc}"
         except Exception as exc:
@@ -377,7 +376,23 @@ class LoadPath:
                         "continue (lineage %s); not used", self.rank, step, (tag or {}).get("lineage", 0))
         return False
 
-    def _load_from_storage(self, step: int, weights_only: bool, map_location: Any) -> dict[str, Any]:
+    def _restore_storage(self, step: int, target: Any, map_location: Any, weights_only: bool, *,
+                         into_target: bool) -> dict[str, Any]:
+        """Read committed ``step`` (into ``target``), each file in one pass (:mod:`..reading`).
+        ``into_target``: storages land in the target's tensors as they are read, before the
+        file's checksum is known (only where an older commit can be restored over them)."""
+        if target is None:
+            return self._load_from_storage(step, weights_only, map_location)
+        targets = self._target_files(target)
+        locations: dict[int, str] | None = {} if map_location is None else None
+        into = {path: (spec.obj if isinstance(spec, FileSpec) else spec) for path, spec in targets.items()
+                } if into_target else {}
+        files = self._load_from_storage(step, weights_only, map_location, into, locations)
+        return copy_into_target(files, targets, locations)
+
+    def _load_from_storage(self, step: int, weights_only: bool, map_location: Any,
+                           into: Mapping[str, Any] | None = None, locations: dict[int, str] | None = None
+                           ) -> dict[str, Any]:
         record = commit_record(self.storage, step)
         if record is None:
             raise CheckpointNotFoundError(
@@ -392,7 +407,8 @@ class LoadPath:
         base = files_dir(self.storage, self.layout, step, record)
         return {
             entry["path"]: read_file(self.storage, f"{base}/{entry['path']}", Codec(entry["codec"]),
-                                     expected=entry, weights_only=weights_only, map_location=map_location)
+                                     expected=entry, weights_only=weights_only, map_location=map_location,
+                                     target=(into or {}).get(entry["path"]), locations=locations)
             for entry in marker["files"]
         }
 
