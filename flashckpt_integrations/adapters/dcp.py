@@ -57,18 +57,27 @@ from ..core.codecs import decode_from_slot, parts_layout
 from ..core.layout import Layout
 from ..core.results import SaveResult
 from ..core.state import Codec, FileSpec
-from ..errors import CheckpointNotFoundError, FlashCkptError, LayoutMismatchError, missing_dependency
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FlashCkptError,
+    LayoutMismatchError,
+    missing_dependency,
+)
 from ._common import broadcast_bytes, check_in, declare_resume, log_save, step_destination, verified_choice
 from .pipeline import ModelState, OptimizerState, as_stateful
 
 try:
     import torch.distributed.checkpoint as dcp
     from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
+
+    from ._dcp_storage import CommittedReader
 except ImportError as exc:  # pragma: no cover - torch built without distributed
     raise missing_dependency("torch.distributed.checkpoint", "dcp") from exc
 
@@ -332,6 +341,8 @@ class DcpLoadResult:
     step: int
     source: str
     """``"memory"`` or ``"storage"``."""
+    fallbacks: list[str] = dataclasses.field(default_factory=list)
+    """Committed steps that failed verification and were passed over, with why."""
 
 
 def resolve_step(checkpointer: Checkpointer, step: int | None = None, *,
@@ -390,28 +401,60 @@ def load(
     chosen = resolve_step(ck, step, prefer_memory=prefer_memory)
     if chosen is None:
         return None
+    explicit = step is not None
     step, source = chosen
-    declare_resume(ck, step, source)  # read by DCP's loader (or from the slots), not by Checkpointer.load
     started = time.perf_counter()
     stateful = as_stateful(state)
-    if source == "memory":
-        reader: StorageReader = MemoryReader(ck, step, folder)
-    else:
-        reader = _storage_reader(f"{ck.url}/{ck.layout.step_path(step)}" + (f"/{folder.strip('/')}" if folder else ""))
-    _validate(stateful, reader.read_metadata(), strict, group, ck.world_size)
     if planner is None and not strict:
         planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
-    dcp.load(stateful, storage_reader=reader, planner=planner, process_group=group)
+    fallbacks: list[str] = []
+    while True:
+        if source == "memory":  # read by DCP's loader from the slots, not by Checkpointer.load
+            declare_resume(ck, step, source)
+            reader: StorageReader = MemoryReader(ck, step, folder)
+        else:
+            reader = _storage_reader(ck, step, folder)
+        _validate(stateful, reader.read_metadata(), strict, group, ck.world_size)
+        try:
+            dcp.load(stateful, storage_reader=reader, planner=planner, process_group=group)
+        except CheckpointException as exc:  # raised on every rank, with every rank's failure
+            fallbacks.append(_failed_verification(ck, exc, step))
+            step = _older_commit(ck, step, fallbacks, explicit)
+            continue
+        break
+    if source == "storage":  # once the files verified: an attempt continues what it loaded
+        declare_resume(ck, step, source)
     logger.info("[RANK %d] loaded DCP step %d from %s in %.3fs", ck.rank, step, source, time.perf_counter() - started)
-    return DcpLoadResult(step, source)
+    return DcpLoadResult(step, source, fallbacks)
 
 
-def _storage_reader(path: str) -> StorageReader:
-    if "://" in path:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+def _failed_verification(ck: Checkpointer, exc: CheckpointException, step: int) -> str:
+    """What failed verification on which rank; ``exc`` itself when something else failed."""
+    corrupt = {rank: failure[0] for rank, failure in exc.failures.items()
+               if isinstance(failure[0], CorruptCheckpointError)}
+    if not corrupt:
+        raise exc
+    return f"step {step}: " + "; ".join(f"rank {rank}: {error}" for rank, error in sorted(corrupt.items()))
 
-        return FsspecReader(path)
-    return dcp.FileSystemReader(path)
+
+def _older_commit(ck: Checkpointer, step: int, fallbacks: list[str], explicit: bool) -> int:
+    """The committed step to read after ``step`` failed verification (every rank gets the same)."""
+    older = [s for s in ck.committed_steps() if s < step]
+    if explicit or not older:
+        raise CorruptCheckpointError(
+            f"committed DCP step {step} in {ck.url} failed verification ({fallbacks[-1]})"
+            + ("" if explicit else "; no older commit is left: restore the file from a backup, or delete the step to "
+               "start over"))
+    logger.warning("[RANK %d] committed DCP step %d failed verification (%s); loading step %d instead", ck.rank,
+                   step, fallbacks[-1], older[-1])
+    return older[-1]
+
+
+def _storage_reader(ck: Checkpointer, step: int, folder: str) -> StorageReader:
+    """Committed ``step`` read through the checkpointer's storage, one pass per file (see ``_dcp_storage``)."""
+    base = ck.committed_folder(step) or ck.layout.step_path(step)
+    inner = folder.strip("/")
+    return CommittedReader(ck.storage, f"{base}/{inner}" if inner else base, ck.committed_entries(step), inner)
 
 
 def _validate(state: dict[str, Any], metadata: Metadata, strict: bool, group: Any, world_size: int) -> None:

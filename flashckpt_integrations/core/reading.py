@@ -122,7 +122,7 @@ def read_bytes(ranges: Ranges, path: str, *, expected: dict[str, Any] | None = N
     """The whole file, read once and checked against ``expected`` (a rank marker's entry)."""
     _check_size(ranges, path, expected)
     out = bytearray(ranges.size)
-    source = _Source(ranges, path, tail_start=ranges.size)
+    source = Source(ranges, path, tail_start=ranges.size)
     try:
         source.take(0, ranges.size, memoryview(out))
         crc = source.finish()
@@ -155,7 +155,7 @@ def read_torch(
     if records is None:
         return _load_whole(ranges, path, expected, weights_only, map_location)
     tail_start, tail, records = records
-    source = _Source(ranges, path, tail_start=tail_start, tail=tail)
+    source = Source(ranges, path, tail_start=tail_start, tail=tail)
     try:
         decoded = _stream_records(source, records, target, weights_only)
         if decoded is None:
@@ -173,6 +173,59 @@ def read_torch(
             return storage
     return unpickle_torch(blob, _storage_lookup(path, buffers), weights_only=weights_only, map_location=keep,
                           copy=False)
+
+
+def read_range(ranges: Ranges, path: str, offset: int, length: int, out: memoryview) -> None:
+    """Read ``[offset, offset + length)`` into ``out`` (any buffer), through an aligned buffer
+    where the backend needs one."""
+    align = max(ranges.align, 1)
+    if align == 1:
+        got = ranges.readinto(offset, out[:length])
+        if got < length:
+            raise CorruptCheckpointError(f"{path}: the file ended at byte {offset + got} while it was read")
+        return
+    start = offset // align * align
+    span = _round_up(offset + length, align) - start
+    buffer = mmap.mmap(-1, max(span, PAGE))
+    try:
+        view = memoryview(buffer)
+        got = ranges.readinto(start, view[:span])
+        if got < offset + length - start:
+            raise CorruptCheckpointError(f"{path}: the file ended at byte {start + got} while it was read")
+        out[:length] = view[offset - start:offset - start + length]
+        view.release()
+    finally:
+        buffer.close()
+
+
+def decode_torch(buffer: Any, length: int, path: str, *, weights_only: bool = True) -> Any:
+    """Decode the ``torch.save`` archive in ``buffer[:length]`` (a writable buffer: a ``mmap``, a
+    ``bytearray``) with every storage a view of ``buffer`` on the host: nothing is copied, so the
+    result is valid only while ``buffer`` holds these bytes."""
+    view = memoryview(buffer)[:length]
+    try:
+        with zipfile.ZipFile(_TailFile(0, view)) as archive:
+            infos = archive.infolist()
+    except zipfile.BadZipFile as exc:
+        raise CorruptCheckpointError(f"{path}: not a torch.save archive ({exc})") from exc
+    blob, storages = None, {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                return torch.load(io.BytesIO(bytes(view)), weights_only=weights_only, map_location="cpu")
+        fields = _LOCAL.unpack(view[info.header_offset:info.header_offset + _LOCAL.size])
+        start = info.header_offset + _LOCAL.size + fields[9] + fields[10]
+        name = info.filename.split("/", 1)[-1]
+        if name == "data.pkl":
+            blob = bytes(view[start:start + info.file_size])
+        elif name.startswith("data/"):
+            storages[name[5:]] = (torch.frombuffer(buffer, dtype=torch.uint8, count=info.file_size, offset=start)
+                                  .untyped_storage() if info.file_size else torch.UntypedStorage(0))
+    view.release()
+    if blob is None:
+        raise CorruptCheckpointError(f"{path}: the archive has no data.pkl record")
+    return unpickle_torch(blob, _storage_lookup(path, storages),
+                          weights_only=weights_only, map_location=lambda storage, _loc: storage, copy=False)
 
 
 def _check_size(ranges: Ranges, path: str, expected: dict[str, Any] | None) -> None:
@@ -280,7 +333,7 @@ def _central_directory(ranges: Ranges, path: str, tail_start: int, tail: bytes
     return tail_start, tail, records
 
 
-def _stream_records(source: _Source, records: list[_Record], target: Any, weights_only: bool
+def _stream_records(source: Source, records: list[_Record], target: Any, weights_only: bool
                     ) -> tuple[bytes, dict[str, torch.Tensor]] | None:
     """Stream every record to where it goes: ``(pickle, {storage key: host buffer})``, or None
     for an archive whose pickle does not come before its storages, or of another byte order."""
@@ -305,7 +358,7 @@ def _stream_records(source: _Source, records: list[_Record], target: Any, weight
     return blob, buffers
 
 
-def _take_record(source: _Source, record: _Record, dest: torch.Tensor | None = None) -> Any:
+def _take_record(source: Source, record: _Record, dest: torch.Tensor | None = None) -> Any:
     header = bytearray(_LOCAL.size)
     source.take(record.header, _LOCAL.size, memoryview(header))
     fields = _LOCAL.unpack(header)
@@ -372,15 +425,16 @@ def _receives_whole(loaded: torch.Tensor, target: Any, nbytes: int) -> bool:
             and target.untyped_storage().nbytes() == nbytes == loaded.numel() * loaded.element_size())
 
 
-def _storage_lookup(path: str, buffers: dict[str, torch.Tensor]) -> Any:
+def _storage_lookup(path: str, buffers: Mapping[str, torch.Tensor | torch.UntypedStorage]) -> Any:
     def storage_for_key(key: str) -> torch.UntypedStorage:
         if key not in buffers:
             raise CorruptCheckpointError(f"{path}: the pickle names storage {key}, which the archive lacks")
-        return buffers[key].untyped_storage()
+        found = buffers[key]
+        return found.untyped_storage() if isinstance(found, torch.Tensor) else found
     return storage_for_key
 
 
-class _Source:
+class Source:
     """The bytes of a file in order: ``[0, tail_start)`` streamed by :class:`_Stream`, the rest
     from ``tail`` (already read); :meth:`finish` gives the crc32 of the whole file."""
 

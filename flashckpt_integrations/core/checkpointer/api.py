@@ -238,6 +238,10 @@ class Checkpointer:
     def committed_folder(self, step: int) -> str | None:
         return self.loads.committed_folder(step)
 
+    @_doc_from(LoadPath.committed_entries)
+    def committed_entries(self, step: int) -> dict[str, dict[str, Any]]:
+        return self.loads.committed_entries(step)
+
     @_doc_from(LoadPath.read_file)
     def read_file(self, step: int, path: str, codec: Codec | str = Codec.TORCH, **kwargs: Any) -> Any:
         return self.loads.read_file(step, path, codec, **kwargs)

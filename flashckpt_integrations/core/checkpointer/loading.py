@@ -327,6 +327,18 @@ class LoadPath:
         record = commit_record(self.storage, step)
         return None if record is None else files_dir(self.storage, self.layout, step, record)
 
+    def committed_entries(self, step: int) -> dict[str, dict[str, Any]]:
+        """Every rank's files of committed ``step`` by path (relative to :meth:`committed_folder`):
+        each one's rank-marker entry, with the size and crc32 it was written with."""
+        record = commit_record(self.storage, step)
+        if record is None:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.url}")
+        out: dict[str, dict[str, Any]] = {}
+        for rank in range(int(record["world_size"])):
+            marker = read_json(self.storage, self.layout.rank_marker(step, rank, sid=record.get("sid", "")))
+            out.update((entry["path"], entry) for entry in marker["files"])
+        return out
+
     def read_file(self, step: int, path: str, codec: Codec | str = Codec.TORCH, **kwargs: Any) -> Any:
         """Read any file of committed ``step`` from storage (for loading into another layout)."""
         record = commit_record(self.storage, step)
