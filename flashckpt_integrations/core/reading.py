@@ -54,8 +54,10 @@ TAIL = 256 << 10
 """Bytes read from the end first; more when the central directory is larger."""
 PAGE = mmap.PAGESIZE
 
-_LOCAL = struct.Struct("<IHHHHHIIIHH")
-_LOCAL_SIG = 0x04034B50
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # the zip records, as .torchzip writes them
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_END = struct.Struct("<IHHHHIIH")
+_LOCAL_SIG, _CENTRAL_SIG, _END_SIG = 0x04034B50, 0x02014B50, 0x06054B50
 
 
 class Ranges(Protocol):
@@ -203,29 +205,55 @@ def decode_torch(buffer: Any, length: int, path: str, *, weights_only: bool = Tr
     ``bytearray``) with every storage a view of ``buffer`` on the host: nothing is copied, so the
     result is valid only while ``buffer`` holds these bytes."""
     view = memoryview(buffer)[:length]
-    try:
-        with zipfile.ZipFile(_TailFile(0, view)) as archive:
-            infos = archive.infolist()
-    except zipfile.BadZipFile as exc:
-        raise CorruptCheckpointError(f"{path}: not a torch.save archive ({exc})") from exc
+    entries = _small_directory(view)
+    if entries is None:
+        try:
+            with zipfile.ZipFile(_TailFile(0, view)) as archive:
+                entries = [(i.filename, i.header_offset, i.file_size, i.compress_type) for i in archive.infolist()]
+        except zipfile.BadZipFile as exc:
+            raise CorruptCheckpointError(f"{path}: not a torch.save archive ({exc})") from exc
     blob, storages = None, {}
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
+    for filename, header, size, method in entries:
+        if method != zipfile.ZIP_STORED:
             with torch.serialization.safe_globals(SAFE_GLOBALS):
                 return torch.load(io.BytesIO(bytes(view)), weights_only=weights_only, map_location="cpu")
-        fields = _LOCAL.unpack(view[info.header_offset:info.header_offset + _LOCAL.size])
-        start = info.header_offset + _LOCAL.size + fields[9] + fields[10]
-        name = info.filename.split("/", 1)[-1]
+        fields = _LOCAL.unpack(view[header:header + _LOCAL.size])
+        if fields[0] != _LOCAL_SIG:
+            raise CorruptCheckpointError(f"{path}: no local header for {filename} at byte {header}")
+        start = header + _LOCAL.size + fields[9] + fields[10]
+        name = filename.split("/", 1)[-1]
         if name == "data.pkl":
-            blob = bytes(view[start:start + info.file_size])
+            blob = bytes(view[start:start + size])
         elif name.startswith("data/"):
-            storages[name[5:]] = (torch.frombuffer(buffer, dtype=torch.uint8, count=info.file_size, offset=start)
-                                  .untyped_storage() if info.file_size else torch.UntypedStorage(0))
+            storages[name[5:]] = (torch.frombuffer(buffer, dtype=torch.uint8, count=size, offset=start)
+                                  .untyped_storage() if size else torch.UntypedStorage(0))
     view.release()
     if blob is None:
         raise CorruptCheckpointError(f"{path}: the archive has no data.pkl record")
     return unpickle_torch(blob, _storage_lookup(path, storages),
                           weights_only=weights_only, map_location=lambda storage, _loc: storage, copy=False)
+
+
+def _small_directory(view: memoryview) -> list[tuple[str, int, int, int]] | None:
+    """``(name, header offset, size, method)`` of each record of an archive without zip64 fields
+    or a comment, parsed straight from its end record; None for any other archive (zipfile reads it)."""
+    if len(view) < _END.size:
+        return None
+    sig, _disk, _cd_disk, _here, count, cd_size, cd_offset, comment = _END.unpack(view[len(view) - _END.size:])
+    if sig != _END_SIG or comment or 0xFFFF in (count,) or 0xFFFFFFFF in (cd_size, cd_offset):
+        return None
+    if cd_offset + cd_size > len(view) - _END.size:
+        return None
+    out, pos = [], cd_offset
+    for _ in range(count):
+        fields = _CENTRAL.unpack(view[pos:pos + _CENTRAL.size])
+        if fields[0] != _CENTRAL_SIG or 0xFFFFFFFF in (fields[9], fields[16]):
+            return None
+        name_len, extra_len, comment_len = fields[10], fields[11], fields[12]
+        name = bytes(view[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]).decode()
+        out.append((name, fields[16], fields[9], fields[4]))
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    return out
 
 
 def _check_size(ranges: Ranges, path: str, expected: dict[str, Any] | None) -> None:
