@@ -51,15 +51,18 @@ class CommittedReader(StorageReader):
         self.storage, self.folder = storage, folder.rstrip("/")
         self.entries, self.prefix = entries, prefix.strip("/")
         self.storage_data: dict[Any, Any] = {}
+        self._metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = pickle.loads(self.storage.read(f"{self.folder}/{METADATA_FILE}"))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        return metadata
+        if self._metadata is None:  # read once: the adapter checks it, then dcp.load plans with it
+            metadata = pickle.loads(self.storage.read(f"{self.folder}/{METADATA_FILE}"))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            self._metadata = metadata
+        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data

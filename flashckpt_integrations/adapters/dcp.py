@@ -32,7 +32,9 @@ With pipeline parallelism each rank passes its stage module(s): keys are the ori
 so a checkpoint loads into another pipeline layout.
 
 Loading from memory needs the same number of ranks; items held by another rank's slot (replicated
-values, which DCP saves once) are sent over the process group. Loading from storage reshards freely.
+values, which DCP saves once) are sent over the process group. Loading from storage reshards freely;
+it reads each ``.distcp`` file once (``_dcp_storage.CommittedReader``), verifies every file a rank
+reads whole against its rank marker, and on a mismatch every rank loads the next older commit.
 """
 
 from __future__ import annotations

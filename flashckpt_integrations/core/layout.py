@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import zlib
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from .._utils.crc32 import crc32
 from ..errors import StorageError
 from .storage import Storage, write_bytes
 
@@ -169,7 +169,7 @@ def files_dir(storage: Storage, layout: Layout, step: int, record: dict[str, Any
 def file_mismatch(path: str, data: bytes, entry: dict[str, Any]) -> str | None:
     """Why the bytes read from committed file ``path`` are not the ones its rank marker ``entry``
     recorded (size and crc32), or None when they are."""
-    return checksum_mismatch(path, len(data), zlib.crc32(data), entry)
+    return checksum_mismatch(path, len(data), crc32(data), entry)
 
 
 def checksum_mismatch(path: str, size: int, crc: int, entry: dict[str, Any]) -> str | None:

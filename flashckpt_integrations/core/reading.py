@@ -34,12 +34,12 @@ import struct
 import sys
 import threading
 import zipfile
-import zlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
+from .._utils.crc32 import crc32
 from ..errors import CorruptCheckpointError
 from .layout import checksum_mismatch
 from .state import SAFE_GLOBALS, unpickle_torch
@@ -48,8 +48,8 @@ from .torchzip import crc32_combine
 
 CHUNK = 8 << 20
 """Bytes per read: large enough for the disk's bandwidth, small enough to stay near the caches."""
-DEPTH = 3
-"""Buffers in flight: one being read into, one being copied out of, one spare."""
+DEPTH = 4
+"""Buffers in flight: one being copied out of, the rest read ahead."""
 TAIL = 256 << 10
 """Bytes read from the end first; more when the central directory is larger."""
 PAGE = mmap.PAGESIZE
@@ -488,7 +488,7 @@ class Source:
                 dest[cut:length] = piece
 
     def finish(self) -> int:
-        crc, tail = self._stream.finish(), zlib.crc32(self._tail)
+        crc, tail = self._stream.finish(), crc32(self._tail)
         return crc32_combine(crc, tail, len(self._tail)) if self._tail_start else tail
 
     def close(self) -> None:
@@ -541,7 +541,7 @@ class _Stream:
             raise item
         index, _offset, length = item
         view = memoryview(self._buffers[index])[:length]
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = crc32(view, self.crc)
         view.release()
         self._current = item
 

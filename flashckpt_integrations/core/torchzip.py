@@ -48,6 +48,8 @@ import zlib
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
+from .._utils.crc32 import crc32
+
 __all__ = ["STORAGE_ALIGNMENT", "TorchZipWriter", "archive_size", "crc32_combine"]
 
 STORAGE_ALIGNMENT = 64
@@ -167,7 +169,7 @@ class TorchZipWriter:
 
     ``write_crc32(view)``, when given, writes a large record's data to ``fileobj`` and returns its
     CRC-32 (a caller can compute it beside the write); without it the data are checksummed with
-    ``zlib.crc32`` and then written. Records under ``buffer_below`` bytes are gathered with the
+    ``crc32`` and then written. Records under ``buffer_below`` bytes are gathered with the
     headers and written in larger pieces. Errors from ``fileobj`` propagate; an archive left
     unfinished is just a truncated file.
     """
@@ -205,10 +207,10 @@ class TorchZipWriter:
             if self._write_crc32 is not None:
                 crc = self._write_crc32(view)
             else:
-                crc = zlib.crc32(view)
+                crc = crc32(view)
                 self._f.write(view)
         else:
-            crc = zlib.crc32(view)
+            crc = crc32(view)
             if nbytes:
                 self._add(view)
         if nbytes:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 from enum import Enum
 from typing import IO, Any
 
+from .._utils.crc32 import crc32
 from .shm_buffer import Slot
 from .storage import Storage
 from .torchzip import TorchZipWriter, crc32_combine
@@ -44,7 +44,7 @@ TORCH_STORAGE_ALIGNMENT = 64
 class _ChecksumWriter:
     """File-like wrapper that counts what passes through it and checksums it on a helper thread.
 
-    ``zlib.crc32`` releases the GIL, so the checksum runs beside the writes. Small chunks are
+    ``crc32`` (:mod:`.._utils.crc32`) releases the GIL, so the checksum runs beside the writes. Small chunks are
     copied before they are queued (unless they are ``bytes``); large ones are views of the slot,
     which stays mapped and unchanged while the file is written. :meth:`write_crc32` also hands
     back a chunk's own CRC-32 (a zip record's), computed beside its write and folded into the
@@ -73,9 +73,9 @@ class _ChecksumWriter:
                 if self._failed is not None:
                     raise self._failed
                 if reply is None:
-                    self._crc = zlib.crc32(view, self._crc)
+                    self._crc = crc32(view, self._crc)
                 else:
-                    crc = zlib.crc32(view)
+                    crc = crc32(view)
                     self._crc = crc32_combine(self._crc, crc, len(view))
                     reply.put(crc)
             except Exception as exc:  # keep draining: never leave a writer waiting for its reply
