@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import io
 import json
 import mmap
 import os
@@ -95,25 +94,38 @@ class Bench:
 
         torch.set_num_threads(1)
         self.torch, self.dist = torch, dist
+        self.ck = self.dck = None
         self.root = tempfile.mkdtemp(prefix="bench-restore-", dir=args.dir)
+        # slots in a private tmpfs folder, removed at the end; one per rank (a restore from storage
+        # does not use them, and three copies of the state fit in memory at 4 GiB)
+        self.shm_dir = tempfile.mkdtemp(prefix="flashckpt-bench-", dir="/dev/shm")
         dist.init_process_group("gloo", init_method=f"file://{self.root}/store", rank=0, world_size=1)
+        try:
+            self._setup(args)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, args: argparse.Namespace) -> None:
         from flashckpt_integrations import Checkpointer
         from flashckpt_integrations.adapters import dcp as flash_dcp
 
+        torch = self.torch
         self.flash_dcp = flash_dcp
         per = int(args.gib * GIB) // 4 // args.tensors
         gen = torch.Generator().manual_seed(0)
         self.state = {f"layer{i}.weight": torch.randn(per, generator=gen) for i in range(args.tensors)}
         self.nbytes = per * 4 * args.tensors
-        self.ck = Checkpointer(os.path.join(self.root, "engine"))
+        self.dcp_dir = os.path.join(self.root, "dcp")
+        self._async_save()  # first: its shared-memory staging is gone before our slots are made
+        self.ck = Checkpointer(os.path.join(self.root, "engine"), shm_dir=self.shm_dir, slots=1)
         for step in (1, 2):
             assert self.ck.save(step, self.state).wait(600).committed
         self.engine_file = os.path.join(self.root, "engine", "step-2", "rank-0.pt")
-        self.dck = Checkpointer(os.path.join(self.root, "flash-dcp"), flash_dcp.checkpointer_config())
+        self.dck = Checkpointer(os.path.join(self.root, "flash-dcp"),
+                               flash_dcp.checkpointer_config(shm_dir=self.shm_dir, slots=1))
         flash_dcp.save(self.dck, 1, {"model": self.state})
         assert self.dck.wait(600).committed
-        self.dcp_dir = os.path.join(self.root, "dcp")
-        self._async_save()
 
     def _async_save(self) -> None:
         import torch.distributed.checkpoint as dcp
@@ -156,11 +168,11 @@ class Bench:
             result = self.ck.load(prefer_memory=False, target=self.state)
             assert result.step == 2 and result.source == "storage"
         elif row == "torch_load":
-            with open(self.engine_file, "rb") as f:
-                loaded = torch.load(io.BytesIO(f.read()), weights_only=True)
+            loaded = torch.load(self.engine_file, weights_only=True)
             with torch.no_grad():
                 for key, tensor in self.state.items():
                     tensor.copy_(loaded[key])
+            del loaded
         elif row == "flash_dcp":
             result = self.flash_dcp.load(self.dck, {"model": self.state}, prefer_memory=False)
             assert result.step == 1 and result.source == "storage"
@@ -174,10 +186,12 @@ class Bench:
         return took
 
     def close(self) -> None:
-        self.ck.close()
-        self.dck.close()
+        for ck in (self.ck, self.dck):
+            if ck is not None:
+                ck.close()
         self.dist.destroy_process_group()
         shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
 ROWS = ["odirect_read", "buffered_read", "engine", "engine_cached", "torch_load", "flash_dcp", "dcp_load",
