@@ -7,6 +7,11 @@ Call order::
     with open_ranges(storage, path) as ranges:   # the backend's ranged reader, or one over open_read
         obj = read_torch(ranges, path, expected=entry, target=live_obj)  # a torch archive
         data = read_bytes(ranges, path, expected=entry)                   # any other file
+        # or, for a file of items (DCP's .distcp): in order, then the whole file's crc32
+        source = Source(ranges, path, tail_start=ranges.size)
+        source.take(offset, length, buffer); item = decode_torch(buffer, length, name)
+        crc = source.finish(); source.close()
+        read_range(ranges, path, offset, length, buffer)                 # one range, out of order
 
 A thread reads ahead into page-aligned buffers (what ``O_DIRECT`` needs, see
 :class:`.storage.LocalRanges`) while the caller's thread checksums each buffer and copies what it
