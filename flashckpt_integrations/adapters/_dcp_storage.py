@@ -41,7 +41,39 @@ from ..errors import CorruptCheckpointError, FlashCkptError, LayoutMismatchError
 METADATA_FILE = ".metadata"
 
 
-class CommittedReader(StorageReader):
+class ItemReader(StorageReader):
+    """What the adapter's DCP readers share: DCP's plans are used as they are, and a checkpoint
+    id never picks one of them (the adapter hands them to ``dcp.load`` itself)."""
+
+    storage_data: dict[Any, Any]
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+def commit_item(loaded: torch.Tensor, req: Any, planner: Any) -> None:
+    """Copy the chunk ``req`` asks for out of the saved item ``loaded`` into the planner's target."""
+    tensor = narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != tensor.size():
+        raise LayoutMismatchError(f"{req.storage_index.fqn}: checkpoint chunk {tuple(tensor.size())}, "
+                                  f"target {tuple(target.size())}")
+    with torch.no_grad():
+        target.copy_(tensor)
+    planner.commit_tensor(req, target)
+
+
+class CommittedReader(ItemReader):
     """Read a committed DCP checkpoint at ``folder`` of ``storage`` (see the module's docstring).
     ``entries``: rank-marker entries by path relative to the step's folder (for verification);
     ``prefix``: where ``folder`` sits inside the step's folder."""
@@ -63,19 +95,6 @@ class CommittedReader(StorageReader):
                 metadata.storage_meta = StorageMeta()
             self._metadata = metadata
         return self._metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return plans
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
 
     def read_data(self, plan: Any, planner: Any) -> Future:
         per_file: dict[str, list[tuple[Any, Any]]] = {}
@@ -126,15 +145,7 @@ def _deliver(buffer: Any, info: Any, req: Any, planner: Any, path: str) -> None:
     if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(bytes(memoryview(buffer)[:info.length])))
         return
-    loaded = reading.decode_torch(buffer, info.length, f"{path}@{info.offset}")
-    tensor = narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
-    target = planner.resolve_tensor(req).detach()
-    if target.size() != tensor.size():
-        raise LayoutMismatchError(f"{req.storage_index.fqn}: checkpoint chunk {tuple(tensor.size())}, "
-                                  f"target {tuple(target.size())}")
-    with torch.no_grad():
-        target.copy_(tensor)
-    planner.commit_tensor(req, target)
+    commit_item(reading.decode_torch(buffer, info.length, f"{path}@{info.offset}"), req, planner)
 
 
-__all__ = ["CommittedReader"]
+__all__ = ["CommittedReader", "ItemReader", "commit_item"]

@@ -71,7 +71,6 @@ from .pipeline import ModelState, OptimizerState, as_stateful
 
 try:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -79,7 +78,7 @@ try:
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
 
-    from ._dcp_storage import CommittedReader
+    from ._dcp_storage import CommittedReader, ItemReader, commit_item
 except ImportError as exc:  # pragma: no cover - torch built without distributed
     raise missing_dependency("torch.distributed.checkpoint", "dcp") from exc
 
@@ -500,7 +499,7 @@ def _some(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-class MemoryReader(StorageReader):
+class MemoryReader(ItemReader):
     """A DCP storage reader over the ranks' shared-memory snapshots of one step.
 
     Each rank reads the items of its own ``.distcp`` parts straight from its slot (no copy until
@@ -541,15 +540,6 @@ class MemoryReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return plans
-
     def read_data(self, plan: Any, planner: Any) -> Future:
         received = self._exchange(plan)
         for req in plan.items:
@@ -561,13 +551,7 @@ class MemoryReader(StorageReader):
                 continue
             if not isinstance(part, torch.Tensor):
                 part = torch.load(io.BytesIO(part), map_location="cpu", weights_only=True)
-            tensor = narrow_tensor_by_index(part, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != tensor.size():
-                raise LayoutMismatchError(f"{req.storage_index.fqn}: checkpoint chunk {tuple(tensor.size())}, "
-                                          f"target {tuple(target.size())}")
-            target.copy_(tensor)
-            planner.commit_tensor(req, target)
+            commit_item(part, req, planner)
         future: Future = Future()
         future.set_result(None)
         return future
@@ -614,7 +598,3 @@ class MemoryReader(StorageReader):
                 raise FlashCkptError(f"{path}@{offset}: item is {out.tell() - start} bytes in memory, "
                                      f"{length} in the metadata; load from storage (prefer_memory=False)")
         return out.getvalue()
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False
