@@ -416,8 +416,11 @@ def _destinations(blob: bytes, sizes: dict[str, int], target: Any, weights_only:
             keys[storage._cdata] = key  # noqa: SLF001 - the storage's identity, as the tensors see it
             return storage
 
-        shaped = unpickle_torch(blob, meta_storage, weights_only=weights_only, map_location=lambda s, _loc: s,
-                                copy=False, refs=refs)
+        try:  # shapes only (no data): an object that cannot be rebuilt so gets fresh buffers, read as before
+            shaped = unpickle_torch(blob, meta_storage, weights_only=weights_only, map_location=lambda s, _loc: s,
+                                    copy=False, refs=refs)
+        except Exception:
+            shaped, refs = None, {}
         _claim(shaped, target, keys, sizes, claims)
     out: dict[str, torch.Tensor] = {}
     taken: set[int] = set()
