@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 import sys
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from ..errors import CorruptCheckpointError
 from . import reading
 from .shm_buffer import Slot
-from .state import rebuild_safetensors, tensor_part_pickle, unpickle_torch
+from .state import parse_safetensors_header, rebuild_safetensors, tensor_part_pickle, unpickle_torch
 from .storage import Storage
 from .torchzip import archive_size
 from .writing import TORCH_STORAGE_ALIGNMENT, Codec
@@ -107,7 +108,22 @@ def read_file(
                                       map_location=map_location, locations=locations)
         data = reading.read_bytes(ranges, path, expected=expected)
     if codec is Codec.SAFETENSORS:
+        return _safetensors(data)
+    return _decode_small(codec, bytes(data))
+
+
+def _safetensors(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of the bytes just read (no copy); through
+    ``safetensors.torch.load`` where a tensor does not start at a multiple of its element size
+    (or the header names a dtype this package does not map)."""
+    try:
+        whole = torch.frombuffer(data, dtype=torch.uint8)
+        (length,) = struct.unpack_from("<Q", data, 0)
+        base = 8 + length
+        header = parse_safetensors_header(data)
+        views = [whole[base + start:base + end] for start, end in (info["data_offsets"] for info in header.values())]
+        return rebuild_safetensors(bytes(data[:base]), views, copy=False)
+    except (RuntimeError, ValueError, KeyError, TypeError, struct.error):
         from safetensors.torch import load as st_load
 
         return st_load(bytes(data))
-    return _decode_small(codec, bytes(data))
