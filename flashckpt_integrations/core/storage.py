@@ -420,17 +420,29 @@ class LocalRanges:
         self._fd, self.align, self.direct = fd, self.DIRECT_ALIGN, True
 
     def readinto(self, offset: int, view: memoryview) -> int:
-        """Read from ``offset`` into ``view`` until it is full or the file ends; the bytes read."""
+        """Read from ``offset`` into ``view`` until it is full or the file ends; the bytes read.
+        A file system that took ``O_DIRECT`` at open but refuses it on a read is read buffered."""
         got = 0
         try:
             while got < len(view):
-                n = os.preadv(self._fd, [view[got:]], offset + got)
+                try:
+                    n = os.preadv(self._fd, [view[got:]], offset + got)
+                except OSError as exc:
+                    if not (self.direct and exc.errno == errno.EINVAL):
+                        raise
+                    self._buffered()
+                    continue
                 got += n
                 if n == 0 or offset + got >= self.size:
                     break
         except OSError as exc:
             raise _wrap("read", self.path, exc) from exc
         return got
+
+    def _buffered(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        os.close(self._fd)
+        self._fd, self.align, self.direct = fd, 1, False
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -86,3 +86,24 @@ def test_the_one_pass_reader_decodes_torch_save_files_through_any_backend(tmp_pa
             reading.open_ranges(LocalStorage(str(tmp_path)), "changed.pt") as r:
         reading.read_torch(r, "changed.pt", expected=expected)
     os.unlink(tmp_path / "changed.pt")
+
+
+def test_a_read_refused_under_o_direct_is_made_buffered(tmp_path):
+    """A file system may take ``O_DIRECT`` at open and refuse it on a read (EINVAL, as the kernel
+    answers an unaligned one): the file is read buffered from then on, with the same bytes."""
+    data = os.urandom(8 << 20)
+    (tmp_path / "f.bin").write_bytes(data)
+    with LocalStorage(str(tmp_path)).open_ranges("f.bin") as ranges:
+        if not ranges.direct:
+            from flashckpt_integrations._utils import pagecache
+
+            fd = os.open(tmp_path / "f.bin", os.O_RDONLY)
+            os.fsync(fd)
+            pagecache.drop(fd)
+            os.close(fd)
+    with LocalStorage(str(tmp_path)).open_ranges("f.bin") as ranges:
+        if not ranges.direct:
+            pytest.skip("this file system does not take O_DIRECT")
+        out = bytearray(1000)
+        assert ranges.readinto(4097, memoryview(out)) == 1000  # unaligned: EINVAL under O_DIRECT
+        assert bytes(out) == data[4097:5097] and not ranges.direct
