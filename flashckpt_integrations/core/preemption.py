@@ -87,6 +87,12 @@ def begin(saver: Drainable, why: str) -> None:
 DECIDE_AFTER_S = 0.3
 """How long a rank's ``stopping`` notice waits before the saver decides on it: the disconnection
 of a rank that failed (and made the launcher stop the others) may still be on its way."""
+ALL_RANKS_WITHIN_S = 1.5
+"""Where a notice says how many ranks the node runs (``local_world_size``, from the launcher), a
+stop is a preemption only once that many ranks have sent one within this time: the launcher (or
+the scheduler) signals every rank at once, and a rank that sends none is not being stopped but
+is gone, its failure being why the launcher stops the others (a rank killed before it ever
+connected to the saver leaves no disconnection behind to tell by)."""
 FAILURE_WINDOW_S = 10.0
 """A notice this soon after a rank of the node disconnected without closing follows a failure."""
 
@@ -102,6 +108,8 @@ class StopRequests:
         self._asked: list[tuple[Connection, Any, int, float]] = []
         self._waiting: list[tuple[Connection, Any]] = []
         self._failed_at: float | None = None
+        self._notices: dict[int, float] = {}  # rank -> when its notice came
+        self._local_ranks: int | None = None
         self.stopping: set[int] = set()
         """Ranks that asked and wait for the drain: they take no more saves."""
 
@@ -111,7 +119,19 @@ class StopRequests:
         return bool(self._asked)
 
     def ask(self, conn: Connection, request: dict[str, Any]) -> None:
-        self._asked.append((conn, request.get("id"), int(request["rank"]), time.monotonic()))
+        now, rank = time.monotonic(), int(request["rank"])
+        self._asked.append((conn, request.get("id"), rank, now))
+        self._notices[rank] = now
+        local = request.get("local_world_size")
+        if isinstance(local, int) and local > 0:
+            self._local_ranks = local
+
+    def _missing_ranks(self, at: float) -> int | None:
+        """How many of the node's ranks sent no notice near ``at``; None where that is unknown."""
+        if self._local_ranks is None:
+            return None
+        near = sum(1 for t in self._notices.values() if abs(t - at) <= ALL_RANKS_WITHIN_S)
+        return max(0, self._local_ranks - near)
 
     def rank_failed(self) -> None:
         """A rank disconnected without closing."""
@@ -122,14 +142,18 @@ class StopRequests:
         now = time.monotonic()
         for item in list(self._asked):
             conn, rid, rank, at = item
-            if saver.stop_deadline is None and now - at < DECIDE_AFTER_S:
+            missing = self._missing_ranks(at)
+            if saver.stop_deadline is None and (now - at < DECIDE_AFTER_S
+                                                or (missing and now - at < ALL_RANKS_WITHIN_S)):
                 continue
             self._asked.remove(item)
-            if saver.stop_deadline is None and self._failed_at is not None and self._failed_at > at - FAILURE_WINDOW_S:
-                logger.info("rank %d got SIGTERM right after a rank of this node failed: the launcher is stopping "
-                            "the others; nothing is drained", rank)
-                conn.send({"id": rid, "ok": True, "drained": False,
-                           "reason": "a rank of this node failed just before; nothing drained"})
+            failed = self._failed_at is not None and self._failed_at > at - FAILURE_WINDOW_S
+            if saver.stop_deadline is None and (failed or missing):
+                why = ("a rank of this node failed just before" if failed else
+                       f"{missing} rank(s) of this node sent no notice with it (gone: a failure)")
+                logger.info("rank %d got SIGTERM and %s: the launcher is stopping the others; nothing is drained",
+                            rank, why)
+                conn.send({"id": rid, "ok": True, "drained": False, "reason": f"{why}; nothing drained"})
                 continue
             begin(saver, f"rank {rank} got SIGTERM")
             self.stopping.add(rank)

@@ -56,9 +56,9 @@ TRAINER_OPS = {
     TrainerOp.REPLICA_PUSH: "offer a sealed snapshot to the peers (per-snapshot copies; answered at once)",
     TrainerOp.REPLICA_INVENTORY: "which replicas of this rank the job's savers hold",
     TrainerOp.REPLICA_FETCH: "copy one replica from the saver holding it into one of the rank's slots",
-    TrainerOp.STOPPING: "the rank got SIGTERM (on a connection of its own): unless a rank of the node failed just "
-                        "before, the saver persists the newest snapshot every local rank holds, then answers "
-                        "(drained, reason)",
+    TrainerOp.STOPPING: "the rank got SIGTERM (on a connection of its own; local_world_size: the node's ranks): "
+                        "unless a rank of the node failed just before or sent no notice with it, the saver "
+                        "persists the newest snapshot every local rank holds, then answers (drained, reason)",
 }
 """Every trainer -> saver operation and what it asks (the saver's dispatcher answers any other with an error)."""
 

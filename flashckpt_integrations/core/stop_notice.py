@@ -123,6 +123,16 @@ class _Notice:
         os._exit(128 + signal.SIGTERM)  # the main thread is stuck in a C call: end as SIGTERM would have
 
 
+def local_world_size() -> int | None:
+    """The ranks the launcher runs on this node (``LOCAL_WORLD_SIZE``: torchrun, accelerate,
+    ``flashckpt-run``); None under a launcher that does not say."""
+    try:
+        value = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
 def ask_saver(run_dir: str, rank: int, deadline: float) -> dict[str, Any]:
     """Send ``stopping`` to the saver of ``run_dir`` and wait for its answer until ``deadline``;
     ``{"error": ...}`` when there is none (no saver, or it did not answer in time)."""
@@ -130,7 +140,8 @@ def ask_saver(run_dir: str, rank: int, deadline: float) -> dict[str, Any]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             sock.connect(os.path.join(run_dir, SOCKET_NAME))
-            sock.sendall((json.dumps({"op": TrainerOp.STOPPING, "id": 1, "rank": rank}) + "\n").encode())
+            notice = {"op": TrainerOp.STOPPING, "id": 1, "rank": rank, "local_world_size": local_world_size()}
+            sock.sendall((json.dumps(notice) + "\n").encode())
             buffer = b""
             while b"\n" not in buffer:
                 sock.settimeout(max(0.1, deadline - time.monotonic()))

@@ -51,3 +51,51 @@ def test_a_forked_child_that_gets_sigterm_dies_of_it_and_the_rank_trains_on(tmp_
     finally:
         if "run_dir" in lines:
             kill_savers(lines["run_dir"])
+
+
+NOTICES = r'''
+import json, os, sys, time
+import torch
+from flashckpt_integrations import Checkpointer
+from flashckpt_integrations.core.stop_notice import ask_saver
+
+ck = Checkpointer(sys.argv[1])
+print(json.dumps({"run_dir": ck.run_dir}), flush=True)
+assert ck.save(1, {"w": torch.ones(4)}).wait(60).committed  # the saver is up and this rank connected
+ck.save(3, {"w": torch.full((4,), 3.0)}, persist=False)
+ck.wait_for_snapshot()
+os.environ["LOCAL_WORLD_SIZE"] = "2"  # the node runs two ranks; the other one sends no notice
+started = time.monotonic()
+lone = ask_saver(ck.run_dir, 0, time.monotonic() + 20)
+print(json.dumps({"lone": lone, "took": time.monotonic() - started, "after_lone": ck.committed_steps()}), flush=True)
+time.sleep(2)  # a later stop, apart from the first
+os.environ["LOCAL_WORLD_SIZE"] = "1"  # every rank of the node sends one: a preemption
+whole = ask_saver(ck.run_dir, 0, time.monotonic() + 20)
+print(json.dumps({"whole": whole, "after_whole": ck.committed_steps()}), flush=True)
+ck.close(wait=False)
+'''
+
+
+def test_a_notice_that_the_nodes_other_ranks_do_not_send_follows_a_failure_and_drains_nothing(tmp_path,
+                                                                                               private_shm_dir):
+    """A rank killed before it ever connected to its saver leaves no disconnection to tell a crash
+    by: the launcher's SIGTERM to the surviving rank then looks like a preemption. The notice says
+    how many ranks the node runs; one that comes alone is a failure (answered, nothing drained),
+    and notices from every rank are a preemption (the memory-only step is committed)."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-c", NOTICES, str(tmp_path / "ckpt")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            lines.update(json.loads(line))
+    try:
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+        assert lines["lone"].get("drained") is False and "sent no notice" in lines["lone"]["reason"], lines
+        assert lines["after_lone"] == [1], lines
+        assert lines["whole"].get("drained") is True, lines
+        assert lines["after_whole"] == [1, 3], lines
+    finally:
+        if "run_dir" in lines:
+            kill_savers(lines["run_dir"])
