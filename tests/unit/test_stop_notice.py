@@ -36,14 +36,20 @@ ck.close(wait=False)
 '''
 
 
-def test_a_forked_child_that_gets_sigterm_dies_of_it_and_the_rank_trains_on(tmp_path, private_shm_dir):
+def _run(script: str, ckpt: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``script`` on ``ckpt`` in a fresh interpreter (no ``LOCAL_WORLD_SIZE``); its JSON lines, merged."""
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")], env=env, capture_output=True,
-                          text=True, timeout=120)
-    lines = {}
+    env.pop("LOCAL_WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-c", script, ckpt], env=env, capture_output=True, text=True, timeout=120)
+    lines: dict = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             lines.update(json.loads(line))
+    return proc, lines
+
+
+def test_a_forked_child_that_gets_sigterm_dies_of_it_and_the_rank_trains_on(tmp_path, private_shm_dir):
+    proc, lines = _run(SCRIPT, str(tmp_path / "ckpt"))
     try:
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
         assert lines.get("child") == -15, lines
@@ -82,14 +88,7 @@ def test_a_notice_that_the_nodes_other_ranks_do_not_send_follows_a_failure_and_d
     by: the launcher's SIGTERM to the surviving rank then looks like a preemption. The notice says
     how many ranks the node runs; one that comes alone is a failure (answered, nothing drained),
     and notices from every rank are a preemption (the memory-only step is committed)."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-c", NOTICES, str(tmp_path / "ckpt")], env=env, capture_output=True,
-                          text=True, timeout=120)
-    lines = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            lines.update(json.loads(line))
+    proc, lines = _run(NOTICES, str(tmp_path / "ckpt"))
     try:
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
         assert lines["lone"].get("drained") is False and "sent no notice" in lines["lone"]["reason"], lines
