@@ -34,9 +34,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..core import reading
-from ..core.layout import checksum_mismatch
 from ..core.storage import Storage
-from ..errors import CorruptCheckpointError, FlashCkptError, LayoutMismatchError
+from ..errors import FlashCkptError, LayoutMismatchError
 
 METADATA_FILE = ".metadata"
 
@@ -123,21 +122,16 @@ class CommittedReader(ItemReader):
                     reading.read_range(ranges, path, info.offset, info.length, memoryview(buffer))
                     _deliver(buffer, info, req, planner, path)
                 return
+            reading.check_size(ranges, path, entry)
             source = reading.Source(ranges, path, tail_start=ranges.size)
             try:
-                if entry is not None and ranges.size != entry["size"]:
-                    raise CorruptCheckpointError(
-                        f"{path}: size {ranges.size} differs from the {entry['size']} recorded when it was written")
                 for info, req in items:
                     source.take(info.offset, info.length, memoryview(buffer))
                     _deliver(buffer, info, req, planner, path)
                 crc = source.finish()
             finally:
                 source.close()
-        if entry is not None:
-            problem = checksum_mismatch(path, ranges.size, crc, entry)
-            if problem is not None:
-                raise CorruptCheckpointError(problem)
+        reading.check_crc(path, ranges.size, crc, entry)
 
 
 def _deliver(buffer: Any, info: Any, req: Any, planner: Any, path: str) -> None:

@@ -127,7 +127,7 @@ class FileRanges:
 
 def read_bytes(ranges: Ranges, path: str, *, expected: dict[str, Any] | None = None) -> bytearray:
     """The whole file, read once and checked against ``expected`` (a rank marker's entry)."""
-    _check_size(ranges, path, expected)
+    check_size(ranges, path, expected)
     out = bytearray(ranges.size)
     source = Source(ranges, path, tail_start=ranges.size)
     try:
@@ -135,7 +135,7 @@ def read_bytes(ranges: Ranges, path: str, *, expected: dict[str, Any] | None = N
         crc = source.finish()
     finally:
         source.close()
-    _check_crc(path, ranges.size, crc, expected)
+    check_crc(path, ranges.size, crc, expected)
     return out
 
 
@@ -156,7 +156,7 @@ def read_torch(
     ``map_location``) every storage stays on the host and its saved location is noted under
     its ``data_ptr``, for :func:`.restore.copy_into_target` to copy straight to the device.
     """
-    _check_size(ranges, path, expected)
+    check_size(ranges, path, expected)
     tail_start, tail = _read_tail(ranges, path, TAIL)
     records = _central_directory(ranges, path, tail_start, tail)
     if records is None:
@@ -172,7 +172,7 @@ def read_torch(
         crc = source.finish()
     finally:
         source.close()
-    _check_crc(path, ranges.size, crc, expected)
+    check_crc(path, ranges.size, crc, expected)
     keep = map_location
     if locations is not None and map_location is None:
         def keep(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
@@ -222,10 +222,7 @@ def decode_torch(buffer: Any, length: int, path: str, *, weights_only: bool = Tr
         if method != zipfile.ZIP_STORED:
             with torch.serialization.safe_globals(SAFE_GLOBALS):
                 return torch.load(io.BytesIO(bytes(view)), weights_only=weights_only, map_location="cpu")
-        fields = _LOCAL.unpack(view[header:header + _LOCAL.size])
-        if fields[0] != _LOCAL_SIG:
-            raise CorruptCheckpointError(f"{path}: no local header for {filename} at byte {header}")
-        start = header + _LOCAL.size + fields[9] + fields[10]
+        start = _data_start(view[header:header + _LOCAL.size], header, filename, path)
         name = filename.split("/", 1)[-1]
         if name == "data.pkl":
             blob = bytes(view[start:start + size])
@@ -261,13 +258,17 @@ def _small_directory(view: memoryview) -> list[tuple[str, int, int, int]] | None
     return out
 
 
-def _check_size(ranges: Ranges, path: str, expected: dict[str, Any] | None) -> None:
+def check_size(ranges: Ranges, path: str, expected: dict[str, Any] | None) -> None:
+    """Raise :class:`CorruptCheckpointError` when the file is not the size ``expected`` (a rank
+    marker's entry) recorded; before a byte is read."""
     if expected is not None and ranges.size != expected["size"]:
         raise CorruptCheckpointError(f"{path}: size {ranges.size} differs from the {expected['size']} recorded when it "
                                      "was written; the file was changed or truncated after the commit")
 
 
-def _check_crc(path: str, size: int, crc: int, expected: dict[str, Any] | None) -> None:
+def check_crc(path: str, size: int, crc: int, expected: dict[str, Any] | None) -> None:
+    """Raise :class:`CorruptCheckpointError` when ``crc`` (of the whole file, as :meth:`Source.finish`
+    gives it) is not the one ``expected`` recorded."""
     problem = checksum_mismatch(path, size, crc, expected) if expected is not None else None
     if problem is not None:
         raise CorruptCheckpointError(problem)
@@ -391,13 +392,19 @@ def _stream_records(source: Source, records: list[_Record], target: Any, weights
     return blob, buffers
 
 
+def _data_start(header: Any, offset: int, name: str, path: str) -> int:
+    """Where the data of the record whose local header (``header``, its fixed part) sits at
+    ``offset`` begins: after the header, the record's name and its extra field."""
+    fields = _LOCAL.unpack(header)
+    if fields[0] != _LOCAL_SIG:
+        raise CorruptCheckpointError(f"{path}: no local header for {name} at byte {offset}")
+    return offset + _LOCAL.size + fields[9] + fields[10]
+
+
 def _take_record(source: Source, record: _Record, dest: torch.Tensor | None = None) -> Any:
     header = bytearray(_LOCAL.size)
     source.take(record.header, _LOCAL.size, memoryview(header))
-    fields = _LOCAL.unpack(header)
-    if fields[0] != _LOCAL_SIG:
-        raise CorruptCheckpointError(f"{source.path}: no local header for {record.name} at byte {record.header}")
-    start = record.header + _LOCAL.size + fields[9] + fields[10]
+    start = _data_start(header, record.header, record.name, source.path)
     out: Any = memoryview(bytearray(record.size)) if dest is None else dest
     source.take(start, record.size, out)
     return out
