@@ -73,7 +73,7 @@ def main() -> int:
         started = time.perf_counter()
         ck.prepare(state)  # creates, pre-faults and page-locks both slots
         prepare_s = time.perf_counter() - started
-        pinned = [bool(slot is not None and slot._pinned) for slot in map(ck.slots.mapped, range(ck.slots.count))]
+        pinned = [bool(slot is not None and slot.pinned) for slot in map(ck.slots.mapped, range(ck.slots.count))]
         for step_no in range(2):
             ck.save(step_no, state, persist=False)
             step()

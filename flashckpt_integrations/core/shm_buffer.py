@@ -248,6 +248,11 @@ class Slot:
     # --- page-locking for device-to-host copies --------------------------------------------
 
     @property
+    def pinned(self) -> bool:
+        """The whole mapping is page-locked for device copies."""
+        return self._pinned
+
+    @property
     def needs_pin(self) -> bool:
         """Part of the mapping is not page-locked yet, and registering can still succeed."""
         from .._utils.devices import pin_failure

@@ -34,7 +34,7 @@ def test_device_tensors_round_trip_and_come_back_on_their_device(make_checkpoint
              "cpu": torch.ones(3)}
     ck = make_checkpointer()
     ck.prepare(state)  # registers both slots here, ahead of the first save
-    assert all(slot._pinned for slot in map(ck.slots.mapped, range(ck.slots.count)))
+    assert all(slot.pinned for slot in map(ck.slots.mapped, range(ck.slots.count)))
     assert ck.save(1, state).wait(120).committed
     for prefer_memory in (True, False):
         loaded = ck.load(prefer_memory=prefer_memory).state
@@ -165,7 +165,7 @@ def test_restore_after_a_restart_pins_the_reattached_slot(make_checkpointer, tmp
     ck.shutdown(clean=False)  # as a crash would: the slots stay
     again = make_checkpointer(tmp_path / "ckpt", job_id="gpu-reattach")
     assert again.load(target=state).source == "memory"
-    assert any(slot is not None and slot._pinned for slot in again._slots)
+    assert any(slot is not None and slot.pinned for slot in map(again.slots.mapped, range(again.slots.count)))
 
 
 def test_the_saver_process_never_maps_libcuda(make_checkpointer):
@@ -233,3 +233,24 @@ def test_a_failed_registration_is_cleared_and_not_retried(monkeypatch, make_chec
     assert len([r for r in caplog.records if "page-locking" in r.getMessage()]) == 1
     torch.ones(4, device="cuda").add_(1)  # the thread's next launch does not see a stale error
     torch.cuda.synchronize()
+
+
+def test_restore_from_storage_into_cuda_targets(make_checkpointer):
+    """The one-pass storage reader with device targets: over an older commit (read in place
+    where it can) and with only one commit (read, verified, then copied)."""
+    state = {f"t{i}": torch.randn(1 << 20, device="cuda") for i in range(4)}
+    state["half"] = torch.randn(333, device="cuda").half()
+    ck = make_checkpointer()
+    assert ck.save(1, state).wait(120).committed
+    first = {k: v.clone() for k, v in state.items()}
+    for t in state.values():
+        t.add_(1)
+    second = {k: v.clone() for k, v in state.items()}
+    assert ck.save(2, state).wait(120).committed
+    for step, expected in ((2, second), (1, first)):
+        for t in state.values():
+            t.zero_()
+        loaded = ck.load(step, target=state, prefer_memory=False)
+        assert loaded.source != "memory" and loaded.step == step
+        for k, v in expected.items():
+            assert loaded.state[k].is_cuda and torch.equal(loaded.state[k], v), (step, k)
