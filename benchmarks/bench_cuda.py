@@ -66,6 +66,10 @@ def main() -> int:
         opt.step()
         opt.zero_grad()
 
+    def saved(result) -> None:
+        if not result.ok:
+            raise SystemExit(f"save of step {result.step} failed: {result.reason}")
+
     rows: dict[str, list[float]] = {k: [] for k in ("pinned_copy", "warm_save", "restore", "step_alone",
                                                      "step_with_save")}
     with tempfile.TemporaryDirectory() as root:
@@ -75,19 +79,24 @@ def main() -> int:
         prepare_s = time.perf_counter() - started
         pinned = [bool(slot is not None and slot.pinned) for slot in map(ck.slots.mapped, range(ck.slots.count))]
         for step_no in range(2):
-            ck.save(step_no, state, persist=False)
+            saved(ck.save(step_no, state, persist=False))
             step()
         extra_gpu = 0
         for rep in range(args.repeats):
             rows["pinned_copy"].append(timed(pinned_copy))
-            rows["warm_save"].append(timed(lambda r=rep: ck.save(10 + r, state, persist=False)))
+            rows["warm_save"].append(timed(lambda r=rep: saved(ck.save(10 + r, state, persist=False))))
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             rows["restore"].append(timed(lambda: ck.load(target=state)))
+            if ck.load(target=state).source != "memory":
+                raise SystemExit("the restore did not come from memory")
             extra_gpu = max(extra_gpu, torch.cuda.max_memory_allocated() - before)
             rows["step_alone"].append(timed(step))
             rows["step_with_save"].append(timed(lambda r=rep: (ck.save(100 + r, state, persist=False,
                                                                         async_snapshot=True), step())))
+            failed = ck.wait_for_snapshot()
+            if failed is not None:
+                raise SystemExit(f"an overlapped save failed: {failed}")
         ck.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"{nbytes / 2**30:.2f} GiB in {args.tensors} tensors on {torch.cuda.get_device_name()}")

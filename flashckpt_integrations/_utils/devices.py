@@ -245,9 +245,6 @@ def device_index(plan: Any) -> int | None:
 
 CUDA_HOST_REGISTER_PORTABLE = 1
 """The flag torch.cuda._pin_memory_utils passes (cudaHostRegisterPortable)."""
-PIN_CHUNK = 1 << 30
-"""Register this much at a time: a growth registers only its new chunks, and a long registration
-can stop between chunks when the mapping goes away."""
 _PIN_FAILED: list[str] = []
 """Set on the first failed registration: this process does not try (or warn) again."""
 

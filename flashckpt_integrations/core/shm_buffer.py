@@ -107,9 +107,8 @@ class Slot:
         self._tensor: torch.Tensor | None = None
         self._pinned = False
         self._pin_lock = threading.Lock()
-        self._pin_chunks: list[int] = []
-        """Start addresses of the registered chunks of the current mapping (contiguous from its start)."""
-        self._pinned_bytes = 0
+        self._pin_start: int | None = None
+        """The start address of the current mapping's registration (the whole mapping), if any."""
         self._pin_device: int | None = None
         self.pin_pending = False
         """Set by the engine while a registration of this slot is queued off the training path."""
@@ -254,57 +253,53 @@ class Slot:
 
     @property
     def needs_pin(self) -> bool:
-        """Part of the mapping is not page-locked yet, and registering can still succeed."""
+        """The mapping is not page-locked yet, and registering can still succeed."""
         from .._utils.devices import pin_failure
 
-        return self._pinned_bytes < self.size and pin_failure() is None and _torch().cuda.is_available()
+        return not self._pinned and pin_failure() is None and _torch().cuda.is_available()
 
     def pin(self, device_index: int | None = None) -> bool:
         """Page-lock the mapping for CUDA device ``device_index``, so device copies into it run
         asynchronously at full bandwidth.
 
-        Registers with ``cudaHostRegisterPortable`` (as torch does), under ``torch.cuda.device(index)``
-        (the calling thread's current device would otherwise get a CUDA context), one chunk of
-        ``PIN_CHUNK`` at a time and only what is not registered yet; a remap between chunks
-        stops it. A failed registration clears CUDA's last error and is remembered for the
-        process: later calls return ``False`` at once, and it is logged once. Call it off the
-        training path (the engine does); copies into a slot not (yet) page-locked are correct,
-        only slower.
+        Registers the whole mapping in one ``cudaHostRegister`` call with ``cudaHostRegisterPortable``
+        (as torch does), under ``torch.cuda.device(index)`` (the calling thread's current device would
+        otherwise get a CUDA context). One call, not several ranges: CUDA refuses a copy whose host
+        range spans two registrations ("invalid argument"), and a tensor's bytes may lie anywhere in
+        the slot. A failed registration clears CUDA's last error and is remembered for the process:
+        later calls return ``False`` at once, and it is logged once. Call it off the training path
+        (the engine does); copies into a slot not (yet) page-locked are correct, only slower.
         """
         from .._utils import devices
 
         if not _torch().cuda.is_available():
             return False
-        while True:
-            with self._pin_lock:
-                if self._mm is None:
-                    return False
-                if self._pinned_bytes >= self.size:
-                    self._pinned = True
-                    return True
-                if devices.pin_failure() is not None:
-                    return False
-                start = self.buffer.data_ptr() + self._pinned_bytes
-                nbytes = min(devices.PIN_CHUNK, self.size - self._pinned_bytes)
-                error = devices.host_register(start, nbytes, device_index)
-                if error is not None:
-                    logger.warning("page-locking shared-memory slot %s failed: %s; device copies into it (and "
-                                   "restores from it) run at pageable-memory speed. Not retried in this process.",
-                                   self.path, error)
-                    return False
-                self._pin_chunks.append(start)
-                self._pinned_bytes += nbytes
-                self._pin_device = device_index
+        with self._pin_lock:
+            if self._mm is None:
+                return False
+            if self._pinned:
+                return True
+            if devices.pin_failure() is not None:
+                return False
+            start = self.buffer.data_ptr()
+            error = devices.host_register(start, self.size, device_index)
+            if error is not None:
+                logger.warning("page-locking shared-memory slot %s failed: %s; device copies into it (and "
+                               "restores from it) run at pageable-memory speed. Not retried in this process.",
+                               self.path, error)
+                return False
+            self._pin_start = start
+            self._pin_device = device_index
+            self._pinned = True
+            return True
 
     def unpin(self) -> None:
         with self._pin_lock:
-            if self._pin_chunks:
+            if self._pin_start is not None:
                 from .._utils.devices import host_unregister
 
-                for start in self._pin_chunks:
-                    host_unregister(start, self._pin_device)
-            self._pin_chunks = []
-            self._pinned_bytes = 0
+                host_unregister(self._pin_start, self._pin_device)
+            self._pin_start = None
             self._pinned = False
 
     # --- header ----------------------------------------------------------------------------
