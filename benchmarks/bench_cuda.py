@@ -3,12 +3,15 @@
 Measures, side by side in one run (medians over --repeats):
   pinned_copy      device-to-host copy of the state into a plain pinned host buffer (the limit)
   warm_save        blocking time of a synchronous Checkpointer.save into a page-locked slot
-  restore          Checkpointer.load(target=state) from memory back into the device tensors
+  restore_fresh    Checkpointer.load(target=state) from memory into the device tensors right after
+                   the save (it waits for the save's background checksum, then verifies)
+  restore          the same for a snapshot whose checksums are written (as after a restart)
   step_alone       a real forward/backward/optimizer step of a GPT-like MLP stack
   step_with_save   the same step right after save(async_snapshot=True): the stall it adds
+  save_call        how long that save(async_snapshot=True) call itself blocked
 
 and, once: the time to page-lock both slots (prepare), whether they ended up page-locked, the
-extra GPU memory a restore into the live tensors takes, and the issue-19 targets: D2H into the
+extra GPU memory a restore into the live tensors takes, and the targets: D2H into the
 slot >= 0.8x the plain pinned buffer, overlapped stall <= 0.1x the synchronous copy.
 
     python benchmarks/bench_cuda.py --gib 4
@@ -41,6 +44,8 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=4.0)
     parser.add_argument("--tensors", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=32768,
+                        help="tokens per training step (the step's length against the copy's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -59,7 +64,7 @@ def main() -> int:
     width = 8192
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).cuda().bfloat16()
     opt = torch.optim.AdamW(model.parameters())
-    batch = torch.randn(4096, width, device="cuda", dtype=torch.bfloat16)
+    batch = torch.randn(args.tokens, width, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:
         model(batch).float().pow(2).mean().backward()
@@ -70,8 +75,8 @@ def main() -> int:
         if not result.ok:
             raise SystemExit(f"save of step {result.step} failed: {result.reason}")
 
-    rows: dict[str, list[float]] = {k: [] for k in ("pinned_copy", "warm_save", "restore", "step_alone",
-                                                     "step_with_save")}
+    rows: dict[str, list[float]] = {k: [] for k in ("pinned_copy", "warm_save", "restore_fresh", "restore",
+                                                     "step_alone", "step_with_save", "save_call")}
     with tempfile.TemporaryDirectory() as root:
         ck = Checkpointer(root, CheckpointerConfig(job_id=f"bench-cuda-{uuid.uuid4().hex}"), optimizers=[opt])
         started = time.perf_counter()
@@ -85,24 +90,32 @@ def main() -> int:
         for rep in range(args.repeats):
             rows["pinned_copy"].append(timed(pinned_copy))
             rows["warm_save"].append(timed(lambda r=rep: saved(ck.save(10 + r, state, persist=False))))
+            # right after the save: the load waits for the save's background checksum, then verifies
+            rows["restore_fresh"].append(timed(lambda: ck.load(target=state)))
+            saved(ck.save(50 + rep, state, persist=False))
+            ck.sums.wait()  # as after a restart: the snapshot's checksums are in its slot
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            rows["restore"].append(timed(lambda: ck.load(target=state)))
-            if ck.load(target=state).source != "memory":
+            loaded: list = []
+            rows["restore"].append(timed(lambda out=loaded: out.append(ck.load(target=state))))
+            if loaded[0].source != "memory":
                 raise SystemExit("the restore did not come from memory")
             extra_gpu = max(extra_gpu, torch.cuda.max_memory_allocated() - before)
             rows["step_alone"].append(timed(step))
-            rows["step_with_save"].append(timed(lambda r=rep: (ck.save(100 + r, state, persist=False,
-                                                                        async_snapshot=True), step())))
+            overlapped: list = []
+            rows["step_with_save"].append(timed(lambda r=rep, out=overlapped: (out.append(
+                ck.save(100 + r, state, persist=False, async_snapshot=True)), step())))
             failed = ck.wait_for_snapshot()
             if failed is not None:
                 raise SystemExit(f"an overlapped save failed: {failed}")
+            rows["save_call"].append(overlapped[0].blocking_s)
         ck.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"{nbytes / 2**30:.2f} GiB in {args.tensors} tensors on {torch.cuda.get_device_name()}")
     print(f"{'metric':<16}{'median s':>10}{'GB/s':>8}{'x pinned':>10}")
     for name, value in med.items():
-        rate = f"{nbytes / value / 1e9:8.1f}" if name in ("pinned_copy", "warm_save", "restore") else " " * 8
+        copies = ("pinned_copy", "warm_save", "restore_fresh", "restore")
+        rate = f"{nbytes / value / 1e9:8.1f}" if name in copies else " " * 8
         print(f"{name:<16}{value:10.4f}{rate}{value / med['pinned_copy']:10.2f}")
     stall = max(0.0, med["step_with_save"] - med["step_alone"])
     d2h_ratio = med["pinned_copy"] / med["warm_save"]

@@ -200,19 +200,28 @@ class Slot:
         # (the new mapping is registered again by the engine, off the training path: see pin())
 
     def _unmap(self) -> None:
-        self.unpin()
-        self._tensor = None
-        if self._mm is not None:
-            # Tensors that still view the mapping keep it alive; it is unmapped when they go.
-            with contextlib.suppress(BufferError):
-                self._mm.close()
-            self._mm = None
+        with self._pin_lock:  # a registration on another thread sees the mapping whole, or gone
+            self._unpin_locked()
+            self._tensor = None
+            if self._mm is not None:
+                # Tensors that still view the mapping keep it alive; it is unmapped when they go.
+                with contextlib.suppress(BufferError):
+                    self._mm.close()
+                self._mm = None
 
     def close(self) -> None:
         self._unmap()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        # A slot dropped while CUDA has it registered: unregister before the mapping goes, or the
+        # driver keeps the range and a later allocation that reuses the addresses fails
+        # ("resource already mapped"). Slots are closed explicitly; this is the safety net.
+        if getattr(self, "_pin_start", None) is not None:
+            with contextlib.suppress(Exception):
+                self._unmap()
 
     def replaced(self) -> bool:
         """Whether the slot's name no longer leads to the mapped file (removed or recreated)."""
@@ -293,14 +302,14 @@ class Slot:
             self._pinned = True
             return True
 
-    def unpin(self) -> None:
-        with self._pin_lock:
-            if self._pin_start is not None:
-                from .._utils.devices import host_unregister
+    def _unpin_locked(self) -> None:
+        """Unregister the mapping (with ``_pin_lock`` held): never unmap it while CUDA has it registered."""
+        if self._pin_start is not None:
+            from .._utils.devices import host_unregister
 
-                host_unregister(self._pin_start, self._pin_device)
-            self._pin_start = None
-            self._pinned = False
+            host_unregister(self._pin_start, self._pin_device)
+        self._pin_start = None
+        self._pinned = False
 
     # --- header ----------------------------------------------------------------------------
 

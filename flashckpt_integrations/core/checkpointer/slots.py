@@ -215,17 +215,21 @@ class RankSlots:
     # --- mapping, creating, pinning --------------------------------------------------------------
 
     def get(self, index: int) -> Slot | None:
-        """The mapped slot ``index``; remapped when its file was removed or replaced."""
-        slot = self._slots[index]
-        if slot is not None and slot.replaced():
-            logger.warning("[RANK %d] shared-memory slot %s was removed or replaced under this job; "
-                           "its snapshot is gone", self.rank, slot.path)
-            self._sums.release(slot)
-            slot.close()
-            slot = self._slots[index] = None
-        if slot is None and index < self.count:  # the held slot is mapped only by the code
-            slot = self._slots[index] = Slot.attach(self.paths[index])  # that makes it (or __init__)
-        return slot
+        """The mapped slot ``index``; remapped when its file was removed or replaced.
+
+        Under ``lock``: a slot the helper is making is not attached a second time beside it (the
+        helper's mapping, dropped, would be unmapped while CUDA still has it registered)."""
+        with self.lock:
+            slot = self._slots[index]
+            if slot is not None and slot.replaced():
+                logger.warning("[RANK %d] shared-memory slot %s was removed or replaced under this job; "
+                               "its snapshot is gone", self.rank, slot.path)
+                self._sums.release(slot)
+                slot.close()
+                slot = self._slots[index] = None
+            if slot is None and index < self.count:  # the held slot is mapped only by the code
+                slot = self._slots[index] = Slot.attach(self.paths[index])  # that makes it (or __init__)
+            return slot
 
     def mapped(self, index: int) -> Slot | None:
         """Slot ``index`` as mapped now (not remapped, nor attached)."""
