@@ -207,6 +207,7 @@ def test_pinning_from_the_background_makes_no_context_on_another_gpu(tmp_path):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.plants_pin_failure
 def test_a_failed_registration_is_cleared_and_not_retried(monkeypatch, make_checkpointer, caplog):
     from flashckpt_integrations._utils import devices
 
