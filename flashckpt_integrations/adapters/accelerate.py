@@ -22,9 +22,14 @@ A folder appears only once every rank's files are durable (it is staged and rena
 Without ``automatic_checkpoint_naming`` pass ``checkpoint_dir``: checkpoints then go to
 ``<checkpoint_dir>/checkpoint_<step>/`` and ``save_state(step)`` names the step;
 ``accelerator.save_state(<checkpoint_dir>/step_<N>)`` (any folder under it whose name ends with
-its step) writes into that folder. FSDP, DeepSpeed,
-Megatron-LM and XLA accelerators are refused at ``enable()``: their state is sharded and has its own
-adapters.
+its step) writes into that folder.
+
+Under FSDP (``SHARDED_STATE_DICT`` or ``FULL_STATE_DICT``, FSDP1 or FSDP2) the folders hold what the
+stock ``save_state`` writes there: ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` (every process's
+shards, DCP) or rank 0's ``pytorch_model_fsdp.bin`` and ``optimizer.bin``, beside the scheduler,
+sampler and RNG files; a resume from memory reads the shards in place from every process's slot.
+DeepSpeed, Megatron-LM and XLA accelerators are refused at ``enable()``: their state is managed by
+their engines (DeepSpeed has its own adapter).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from ..core.results import SaveResult, SaveStatus
 from ..core.retention import RetentionPolicy
 from ..core.state import Codec, FileSpec
 from ..errors import FlashCkptError, LayoutMismatchError, missing_dependency
+from . import _accelerate_fsdp as files_of_fsdp
 from ._common import (
     declare_resume,
     files_written_by,
@@ -56,6 +62,7 @@ from ._common import (
     share_from_rank0,
     write_byte_files,
 )
+from .fsdp import gather_full
 
 try:
     from accelerate import Accelerator
@@ -83,7 +90,7 @@ __all__ = ["AccelerateCheckpointer", "enable"]
 CHECKPOINTS_DIR = "checkpoints"
 """Where ``automatic_checkpoint_naming`` puts checkpoints, under ``project_dir``."""
 STEP_DIR = "checkpoint_{step}"
-_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+_UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
 _QUIET = ("accelerate.checkpointing",)
 """accelerate's logger, whose "saved in <folder>" messages would name a scratch folder."""
 
@@ -116,9 +123,14 @@ class AccelerateCheckpointer:
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         if kind in _UNSUPPORTED:
             raise FlashCkptError(
-                f"accelerate's {kind} state is sharded or engine-managed and this adapter snapshots only "
-                "replicated state; use the stock Accelerator.save_state for it (or the FSDP/DCP and DeepSpeed "
-                "adapters of flashckpt_integrations)")
+                f"accelerate's {kind} state is engine-managed and this adapter does not snapshot it yet; use the "
+                "stock Accelerator.save_state for it (or the DeepSpeed adapter of flashckpt_integrations)")
+        self.fsdp = accelerator.state.fsdp_plugin if kind == "FSDP" else None
+        """accelerate's FSDP plugin when the models are FSDP (their files are accelerate's FSDP files), else None."""
+        if self.fsdp is not None and files_of_fsdp.unsupported(self.fsdp):
+            raise FlashCkptError(f"accelerate's {files_of_fsdp.unsupported(self.fsdp)} is not supported by the flash "
+                                 "accelerate adapter: use SHARDED_STATE_DICT or FULL_STATE_DICT, or the stock "
+                                 "Accelerator.save_state")
         project = accelerator.project_configuration
         if project.automatic_checkpoint_naming:
             if checkpoint_dir is not None:
@@ -248,7 +260,8 @@ class AccelerateCheckpointer:
 
     def _files(self, step: int, safe_serialization: bool) -> dict[str, Any]:
         acc = self.accelerator
-        weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+        # (under FSDP the models' files are accelerate's FSDP files: the hooks see no weights, as with save_state)
+        weights = [] if self.fsdp else [acc.get_state_dict(model, unwrap=False) for model in acc._models]
         files: dict[str, Any] = {}
         # user hooks see the weights and a folder, as with save_state; what they write there is saved too
         hooks = list(acc._save_model_state_pre_hook.values())
@@ -259,6 +272,8 @@ class AccelerateCheckpointer:
         # sampler, dataloader state and this process's RNG states: the stock code's own bytes
         files.update(files_written_by(lambda scratch: save_accelerator_state(
             scratch, [], [], [], acc._dataloaders, acc.state.process_index, acc.step, None), quiet=_QUIET))
+        if self.fsdp is not None:  # collective: every process's shards, or the full state gathered once
+            files.update(self._fsdp_files())
         if not acc.is_main_process:
             return files
         for i, state in enumerate(weights):
@@ -267,7 +282,7 @@ class AccelerateCheckpointer:
                     clean_state_dict_for_safetensors(state), Codec.SAFETENSORS, metadata={"format": "pt"})
             else:
                 files[_numbered(MODEL_NAME, i, "bin")] = FileSpec(state)
-        for i, optimizer in enumerate(acc._optimizers):
+        for i, optimizer in enumerate([] if self.fsdp else acc._optimizers):
             files[_numbered(OPTIMIZER_NAME, i, "bin")] = FileSpec(optimizer.state_dict())
         for i, scheduler in enumerate(acc._schedulers):
             files[_numbered(SCHEDULER_NAME, i, "bin")] = FileSpec(scheduler.state_dict())
@@ -276,6 +291,22 @@ class AccelerateCheckpointer:
         for i, obj in enumerate(acc._custom_objects):
             files.update(files_written_by(lambda scratch, obj=obj, i=i: save_custom_state(obj, scratch, i),
                                           quiet=_QUIET))
+        return files
+
+    def _fsdp_files(self) -> dict[str, FileSpec]:
+        """What ``save_fsdp_model`` / ``save_fsdp_optimizer`` write for each model and its optimizer (collective)."""
+        acc, files = self.accelerator, {}
+        for i, model in enumerate(acc._models):
+            optimizer = acc._optimizers[i] if i < len(acc._optimizers) else None  # as save_state pairs them
+            if files_of_fsdp.is_sharded(self.fsdp):
+                files.update(files_of_fsdp.sharded_files(self.fsdp, model, optimizer, self.checkpointer.process_group,
+                                                         i))
+                continue
+            model_sd, optim_sd = gather_full(model, optimizer)
+            if acc.is_main_process:
+                files[files_of_fsdp.full_model_file(i)] = FileSpec(model_sd)
+                if optim_sd is not None:
+                    files[files_of_fsdp.full_optimizer_file(i)] = FileSpec(optim_sd)
         return files
 
     # --- loading ---------------------------------------------------------------------------
@@ -326,17 +357,22 @@ class AccelerateCheckpointer:
 
     def _load_from_memory(self, step: int) -> None:
         acc, ck = self.accelerator, self.checkpointer
-        files = ck.load(step, map_location="cpu").files
-        files = share_from_rank0(files, ck.rank, _is_rank_file)
+        if self.fsdp is not None:  # the DCP folders stay in the slots until the models and optimizers load them
+            files = files_of_fsdp.memory_files(ck, step, _is_rank_file)
+        else:
+            files = share_from_rank0(ck.load(step, map_location="cpu").files, ck.rank, _is_rank_file)
         folder = write_byte_files(files, prefix=f"flashckpt-memory-checkpoint_{step}-")
         try:
             models = list(acc._models)
             for hook in acc._load_model_state_pre_hook.values():
                 hook(models, folder)
-            for i, model in enumerate(models):
-                _load_model(model, files, i)
-            for i, optimizer in enumerate(acc._optimizers):
-                optimizer.load_state_dict(files[_numbered(OPTIMIZER_NAME, i, "bin")])
+            if self.fsdp is not None:
+                self._load_fsdp(step, files)
+            else:
+                for i, model in enumerate(models):
+                    _load_model(model, files, i)
+                for i, optimizer in enumerate(acc._optimizers):
+                    optimizer.load_state_dict(files[_numbered(OPTIMIZER_NAME, i, "bin")])
             for i, scheduler in enumerate(acc._schedulers):
                 scheduler.load_state_dict(files[_numbered(SCHEDULER_NAME, i, "bin")])
             if acc.scaler is not None:
@@ -349,6 +385,27 @@ class AccelerateCheckpointer:
                     load_custom_state(obj, folder, i)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _load_fsdp(self, step: int, files: dict[str, Any]) -> None:
+        """Each model and optimizer from the snapshot of ``step``, as ``load_fsdp_model`` / ``load_fsdp_optimizer``
+        read a folder: shards read in place from every process's slot, or rank 0's full state scattered
+        (collective)."""
+        acc, ck, plugin = self.accelerator, self.checkpointer, self.fsdp
+        hint = "Load its committed folder instead: accelerator.load_state(<folder>)."
+        for i, model in enumerate(acc._models):
+            if files_of_fsdp.is_sharded(plugin):
+                files_of_fsdp.load_sharded_model(plugin, ck, model, step, i)
+                continue
+            model_sd = files.pop(files_of_fsdp.full_model_file(i), None)
+            files_of_fsdp.require_on_rank0(ck, model_sd, step, files_of_fsdp.full_model_file(i), hint)
+            files_of_fsdp.set_full(model, model_sd or {}, None)
+        for i, optimizer in enumerate(acc._optimizers):
+            if files_of_fsdp.is_sharded(plugin):
+                files_of_fsdp.load_sharded_optimizer(plugin, ck, acc._models[i], optimizer, step, i)
+                continue
+            optim_sd = files.pop(files_of_fsdp.full_optimizer_file(i), None)
+            files_of_fsdp.require_on_rank0(ck, optim_sd, step, files_of_fsdp.full_optimizer_file(i), hint)
+            files_of_fsdp.set_full(acc._models[i], None, (optimizer, optim_sd or {}))
 
     # --- lifetime --------------------------------------------------------------------------
 
