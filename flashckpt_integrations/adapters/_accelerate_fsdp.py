@@ -188,6 +188,8 @@ def load_sharded_optimizer(plugin: Any, ck: Checkpointer, model: Any, optimizer:
                            index: int = 0) -> None:
     """Load ``optimizer`` (of ``model``) from its DCP folder in the memory snapshot of ``step``, as
     ``load_fsdp_optimizer`` does from storage (collective)."""
+    if plugin.fsdp_version == 1:  # an optimizer that never stepped has no state to load into: make it first,
+        _init_state(optimizer)  # or FSDP1's template is empty and nothing of the optimizer is restored
     with _context(plugin, model):
         state = {"optimizer": _optimizer_state_dict(plugin, model, optimizer)}
         flash_dcp.load(ck, state, step=step, folder=optimizer_folder(index))
@@ -196,6 +198,15 @@ def load_sharded_optimizer(plugin: Any, ck: Checkpointer, model: Any, optimizer:
                 model=model, optim=optimizer, optim_state_dict=state["optimizer"]))
         else:
             set_optimizer_state_dict(model, _plain(optimizer), state["optimizer"], options=_options(plugin))
+
+
+def _init_state(optimizer: Any) -> None:
+    """Give every parameter of ``optimizer`` its (zero) state, as torch's own state-dict loading does."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+    except ImportError:  # pragma: no cover - torch moved it: FSDP1 then loads into the template it builds
+        return
+    _init_optim_state(_plain(optimizer))
 
 
 def require_on_rank0(ck: Checkpointer, obj: Any, step: int, name: str, hint: str) -> None:

@@ -247,9 +247,10 @@ def test_bad_input_is_refused_with_what_to_do(tmp_path):
 # --- accelerate launch, 2 processes ------------------------------------------------------------
 
 
-def _launch(script: str, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict | None]:
+def _launch(script: str, *args: str, timeout: float = 240, config: str = CONFIG
+            ) -> tuple[subprocess.CompletedProcess, dict | None]:
     env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
            "--main_process_port", str(_free_port()), os.path.join(EXAMPLES, script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{") and '"final_step"' in x]
@@ -342,6 +343,66 @@ def test_accelerate_launch_loop_example_crashes_resumes_and_stock_accelerate_loa
     final = torch.load(tmp_path / "run.pt")
     loaded = torch.load(tmp_path / "stock.pt")
     _assert_equal({k: loaded[k] for k in final}, final)
+
+
+FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: {version}
+  fsdp_state_dict_type: {kind}
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: GPT2Block
+  fsdp_offload_params: false
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_reshard_after_forward: true
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+FSDP_SCRIPT = os.path.join(REPO, "tests", "hf", "accelerate_fsdp_script.py")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_accelerate_launch_fsdp_crash_resumes_from_memory_as_stock_resumes_from_our_folder(tmp_path, private_shm_dir,
+                                                                                           kind):
+    """FSDP2 from an ``accelerate launch`` config file, 2 processes: a crash right after the memory snapshot
+    of step 6 (committed: step_4), a relaunch that resumes from memory and trains to step 8; the stock
+    accelerate, in processes that never import us, resumes from our step_4 folder and trains to step 8:
+    the same parameters, bit for bit (each step's batch depends only on the step)."""
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(FSDP_CONFIG.format(version=2, kind=kind))
+    out = str(tmp_path / "run")
+    crashed, _ = _launch(FSDP_SCRIPT, "--out", out, "--crash-at", "6", config=str(config))
+    assert crashed.returncode != 0 and '{"crashing_at": 6}' in crashed.stdout, crashed.stdout + crashed.stderr
+    assert _wait_for(lambda: "step_4" in os.listdir(out))
+    files = sorted(os.path.relpath(os.path.join(d, f), os.path.join(out, "step_4"))
+                   for d, _, names in os.walk(os.path.join(out, "step_4")) for f in names)
+    fsdp_files = ({"optimizer_0/.metadata", "optimizer_0/__0_0.distcp", "optimizer_0/__1_0.distcp",
+                   "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp",
+                   "pytorch_model_fsdp_0/__1_0.distcp"} if kind == "SHARDED_STATE_DICT"
+                  else {"optimizer.bin", "pytorch_model_fsdp.bin"})
+    assert set(files) == fsdp_files | {"random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"}, files
+
+    resumed, summary = _launch(FSDP_SCRIPT, "--out", out, "--params-out", str(tmp_path / "run.pt"),
+                               config=str(config))
+    logs = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, logs
+    assert summary["resumed_from"] == [6, "memory"] and summary["flash"], logs
+    assert _wait_for(lambda: "step_8" in os.listdir(out)), logs
+
+    stock, ref = _launch(FSDP_SCRIPT, "--out", str(tmp_path / "stock"), "--plain", "--resume-from",
+                         os.path.join(out, "step_4"), "--params-out", str(tmp_path / "stock.pt"), config=str(config))
+    assert stock.returncode == 0, stock.stdout + stock.stderr
+    assert ref["resumed_from"] == [4, "storage"] and not ref["flash"]
+    assert summary["params_sha256"] == ref["params_sha256"]
+    _assert_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "stock.pt"))
 
 
 def test_missing_accelerate_names_the_extra():
