@@ -42,6 +42,7 @@ from accelerate.utils import (  # noqa: E402
     ProjectConfiguration,
     set_seed,
 )
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 SEQ_LEN, BATCH = 16, 4
@@ -87,6 +88,10 @@ def main() -> None:
     flash, resumed = None, None
     if opts.plain:
         if opts.resume_from:
+            if accelerator.state.fsdp_plugin.fsdp_version == 1:  # else FSDP1 restores no optimizer state
+                from torch.distributed.checkpoint.state_dict import _init_optim_state  # into one never stepped
+
+                _init_optim_state(optimizer.optimizer)
             accelerator.load_state(opts.resume_from)
             resumed = [int(re.search(r"(\d+)$", opts.resume_from).group(1)), "storage"]
     else:
@@ -114,7 +119,9 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     if flash is not None:
         flash.close()
-    params = accelerator.get_state_dict(model)  # the full parameters, gathered to rank 0 (collective)
+    # the full parameters on every rank (collective; accelerate's get_state_dict offloads to the CPU, which
+    # crashes FSDP1 on parameters already there)
+    params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     if accelerator.is_main_process:
         params = {k: v.detach().cpu().clone() for k, v in params.items()}
         if opts.params_out:

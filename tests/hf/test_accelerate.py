@@ -354,8 +354,7 @@ fsdp_config:
   fsdp_transformer_layer_cls_to_wrap: GPT2Block
   fsdp_offload_params: false
   fsdp_cpu_ram_efficient_loading: false
-  fsdp_reshard_after_forward: true
-machine_rank: 0
+{version_options}machine_rank: 0
 main_training_function: main
 mixed_precision: 'no'
 num_machines: 1
@@ -369,15 +368,18 @@ FSDP_SCRIPT = os.path.join(REPO, "tests", "hf", "accelerate_fsdp_script.py")
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+@pytest.mark.parametrize("version,kind", [(2, "SHARDED_STATE_DICT"), (2, "FULL_STATE_DICT"), (1, "SHARDED_STATE_DICT")])
 def test_accelerate_launch_fsdp_crash_resumes_from_memory_as_stock_resumes_from_our_folder(tmp_path, private_shm_dir,
-                                                                                           kind):
-    """FSDP2 from an ``accelerate launch`` config file, 2 processes: a crash right after the memory snapshot
+                                                                                           version, kind):
+    """FSDP from an ``accelerate launch`` config file, 2 processes: a crash right after the memory snapshot
     of step 6 (committed: step_4), a relaunch that resumes from memory and trains to step 8; the stock
     accelerate, in processes that never import us, resumes from our step_4 folder and trains to step 8:
     the same parameters, bit for bit (each step's batch depends only on the step)."""
     config = tmp_path / "fsdp.yaml"
-    config.write_text(FSDP_CONFIG.format(version=2, kind=kind))
+    options = ("  fsdp_reshard_after_forward: true\n" if version == 2 else  # (no sync_module_states on a CPU)
+               "  fsdp_reshard_after_forward: FULL_SHARD\n  fsdp_sync_module_states: false\n"
+               "  fsdp_use_orig_params: true\n")
+    config.write_text(FSDP_CONFIG.format(version=version, kind=kind, version_options=options))
     out = str(tmp_path / "run")
     crashed, _ = _launch(FSDP_SCRIPT, "--out", out, "--crash-at", "6", config=str(config))
     assert crashed.returncode != 0 and '{"crashing_at": 6}' in crashed.stdout, crashed.stdout + crashed.stderr
