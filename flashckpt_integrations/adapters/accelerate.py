@@ -28,8 +28,11 @@ Under FSDP (``SHARDED_STATE_DICT`` or ``FULL_STATE_DICT``, FSDP1 or FSDP2) the f
 stock ``save_state`` writes there: ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` (every process's
 shards, DCP) or rank 0's ``pytorch_model_fsdp.bin`` and ``optimizer.bin``, beside the scheduler,
 sampler and RNG files; a resume from memory reads the shards in place from every process's slot.
-DeepSpeed, Megatron-LM and XLA accelerators are refused at ``enable()``: their state is managed by
-their engines (DeepSpeed has its own adapter).
+Under DeepSpeed (ZeRO 0-3, one model) the engine's files come from the flash DeepSpeed engine
+(:mod:`.deepspeed`) into the same folder, as ``save_state`` has DeepSpeed write them:
+``pytorch_model/`` (``mp_rank_00_model_states.pt``, ``zero_pp_rank_<r>_..._optim_states.pt``),
+``latest`` and ``zero_to_fp32.py``; a resume from memory serves them to DeepSpeed's own loader from the
+slots. Megatron-LM and XLA accelerators are refused at ``enable()``.
 """
 
 from __future__ import annotations
@@ -90,14 +93,29 @@ __all__ = ["AccelerateCheckpointer", "enable"]
 CHECKPOINTS_DIR = "checkpoints"
 """Where ``automatic_checkpoint_naming`` puts checkpoints, under ``project_dir``."""
 STEP_DIR = "checkpoint_{step}"
-_UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
+_UNSUPPORTED = ("MEGATRON_LM", "XLA")
 _QUIET = ("accelerate.checkpointing",)
 """accelerate's logger, whose "saved in <folder>" messages would name a scratch folder."""
+
+
+DEEPSPEED_TAG = MODEL_NAME
+"""The DeepSpeed tag (the folder of the engine's files) that ``save_state`` gives the first model."""
+
+
+def _deepspeed() -> Any:
+    from . import deepspeed as flash_deepspeed  # imported here: the adapter never needs DeepSpeed installed
+
+    return flash_deepspeed
 
 
 def _numbered(name: str, index: int, ext: str) -> str:
     """accelerate's names of the ``index``-th model, optimizer or scheduler file."""
     return f"{name}{'' if index == 0 else f'_{index}'}.{ext}"
+
+
+def _is_engine_file(name: str) -> bool:
+    """A DeepSpeed engine's file (the engine shares them between ranks itself, as each needs them)."""
+    return name.startswith(f"{DEEPSPEED_TAG}/")
 
 
 def _is_rank_file(name: str) -> bool:
@@ -123,8 +141,10 @@ class AccelerateCheckpointer:
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         if kind in _UNSUPPORTED:
             raise FlashCkptError(
-                f"accelerate's {kind} state is engine-managed and this adapter does not snapshot it yet; use the "
-                "stock Accelerator.save_state for it (or the DeepSpeed adapter of flashckpt_integrations)")
+                f"accelerate's {kind} state is engine-managed and this adapter does not snapshot it; use the "
+                "stock Accelerator.save_state for it")
+        self.deepspeed = kind == "DEEPSPEED"
+        """The model is a DeepSpeed engine: its files are DeepSpeed's (``pytorch_model/``, ``latest``)."""
         self.fsdp = accelerator.state.fsdp_plugin if kind == "FSDP" else None
         """accelerate's FSDP plugin when the models are FSDP (their files are accelerate's FSDP files), else None."""
         if self.fsdp is not None and files_of_fsdp.unsupported(self.fsdp):
@@ -206,7 +226,11 @@ class AccelerateCheckpointer:
         self._warn_if_behind_the_restore(step)
         self._attach_optimizers()
         files = self._files(step, safe_serialization)
-        result = self.checkpointer.save(step, files=files, persist=persist, folder=folder)
+        if self.deepspeed:  # the engine's files, through the flash DeepSpeed engine, in the same step
+            result = _deepspeed().save_step(self._engine(), self.checkpointer, step, files, persist=persist,
+                                            folder=folder or self.layout.step_path(step), tag=DEEPSPEED_TAG)
+        else:
+            result = self.checkpointer.save(step, files=files, persist=persist, folder=folder)
         if result.status is SaveStatus.FAILED:
             logger.error("flashckpt: step %d was not saved: %s", step, result.reason)
         if project.automatic_checkpoint_naming and step >= project.iteration:
@@ -260,8 +284,10 @@ class AccelerateCheckpointer:
 
     def _files(self, step: int, safe_serialization: bool) -> dict[str, Any]:
         acc = self.accelerator
-        # (under FSDP the models' files are accelerate's FSDP files: the hooks see no weights, as with save_state)
-        weights = [] if self.fsdp else [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+        # (under FSDP or DeepSpeed the models' files are FSDP's or the engine's: the hooks see no weights, as with
+        # save_state)
+        engine_files = self.fsdp is not None or self.deepspeed  # the models' files come from FSDP or the engine
+        weights = [] if engine_files else [acc.get_state_dict(model, unwrap=False) for model in acc._models]
         files: dict[str, Any] = {}
         # user hooks see the weights and a folder, as with save_state; what they write there is saved too
         hooks = list(acc._save_model_state_pre_hook.values())
@@ -282,9 +308,9 @@ class AccelerateCheckpointer:
                     clean_state_dict_for_safetensors(state), Codec.SAFETENSORS, metadata={"format": "pt"})
             else:
                 files[_numbered(MODEL_NAME, i, "bin")] = FileSpec(state)
-        for i, optimizer in enumerate([] if self.fsdp else acc._optimizers):
+        for i, optimizer in enumerate([] if engine_files else acc._optimizers):
             files[_numbered(OPTIMIZER_NAME, i, "bin")] = FileSpec(optimizer.state_dict())
-        for i, scheduler in enumerate(acc._schedulers):
+        for i, scheduler in enumerate(self._schedulers()):
             files[_numbered(SCHEDULER_NAME, i, "bin")] = FileSpec(scheduler.state_dict())
         if acc.scaler is not None:
             files[SCALER_NAME] = FileSpec(acc.scaler.state_dict())
@@ -292,6 +318,22 @@ class AccelerateCheckpointer:
             files.update(files_written_by(lambda scratch, obj=obj, i=i: save_custom_state(obj, scratch, i),
                                           quiet=_QUIET))
         return files
+
+    def _schedulers(self) -> list[Any]:
+        """The schedulers ``save_state`` writes as ``scheduler.bin``: under DeepSpeed, those not in the engine."""
+        if not self.deepspeed:
+            return list(self.accelerator._schedulers)
+        from accelerate.utils import DeepSpeedSchedulerWrapper
+
+        return [s for s in self.accelerator._schedulers if not isinstance(s, DeepSpeedSchedulerWrapper)]
+
+    def _engine(self) -> Any:
+        """The one DeepSpeed engine (``accelerator.prepare`` makes one per model; one is supported)."""
+        models = self.accelerator._models
+        if len(models) != 1:
+            raise FlashCkptError(f"the flash accelerate adapter supports one DeepSpeed model, this accelerator has "
+                                 f"{len(models)}; use the stock Accelerator.save_state")
+        return models[0]
 
     def _fsdp_files(self) -> dict[str, FileSpec]:
         """What ``save_fsdp_model`` / ``save_fsdp_optimizer`` write for each model and its optimizer (collective)."""
@@ -359,6 +401,9 @@ class AccelerateCheckpointer:
         acc, ck = self.accelerator, self.checkpointer
         if self.fsdp is not None:  # the DCP folders stay in the slots until the models and optimizers load them
             files = files_of_fsdp.memory_files(ck, step, _is_rank_file)
+        elif self.deepspeed:  # the engine's files hold its objects; the flash engine shares them itself
+            files = ck.load(step, map_location="cpu", weights_only=False).files
+            files = share_from_rank0(files, ck.rank, lambda name: _is_rank_file(name) or _is_engine_file(name))
         else:
             files = share_from_rank0(ck.load(step, map_location="cpu").files, ck.rank, _is_rank_file)
         folder = write_byte_files(files, prefix=f"flashckpt-memory-checkpoint_{step}-")
@@ -368,12 +413,16 @@ class AccelerateCheckpointer:
                 hook(models, folder)
             if self.fsdp is not None:
                 self._load_fsdp(step, files)
+            elif self.deepspeed:
+                engine_files = {k: v for k, v in files.items() if _is_engine_file(k)}
+                _deepspeed().load_step(self._engine(), ck, step, engine_files, tag=DEEPSPEED_TAG,
+                                       folder=ck.committed_folder(step) or self.layout.step_path(step))
             else:
                 for i, model in enumerate(models):
                     _load_model(model, files, i)
                 for i, optimizer in enumerate(acc._optimizers):
                     optimizer.load_state_dict(files[_numbered(OPTIMIZER_NAME, i, "bin")])
-            for i, scheduler in enumerate(acc._schedulers):
+            for i, scheduler in enumerate(self._schedulers()):
                 scheduler.load_state_dict(files[_numbered(SCHEDULER_NAME, i, "bin")])
             if acc.scaler is not None:
                 acc.scaler.load_state_dict(files[SCALER_NAME])

@@ -92,6 +92,8 @@ class _Save:
     persist: bool
     save_latest: bool
     files: dict[str, Any] = field(default_factory=dict)
+    folder: str | None = None
+    """The step's directory relative to the checkpoint directory, when the caller named it (else the layout's)."""
 
 
 class FlashCheckpointEngine(CheckpointEngine):
@@ -171,7 +173,8 @@ class FlashCheckpointEngine(CheckpointEngine):
         if current.nested and current.save_latest and self.checkpointer.rank == 0:
             latest = os.path.join(os.path.abspath(info.save_dir), LATEST)
             current.files[self._relative(latest, current)] = FileSpec(current.tag.encode(), Codec.BYTES)
-        result = self.checkpointer.save(current.step, files=current.files, persist=current.persist)
+        result = self.checkpointer.save(current.step, files=current.files, persist=current.persist,
+                                        folder=current.folder)
         self.last_save = result  # save_checkpoint logs it, with the time of the whole call
         return result.ok
 
@@ -191,6 +194,8 @@ class FlashCheckpointEngine(CheckpointEngine):
         persist: bool | None = None,
         files: Mapping[str, Any] | None = None,
         report: bool = True,
+        step: int | None = None,
+        folder: str | None = None,
     ) -> SaveResult | bool:
         """``DeepSpeedEngine.save_checkpoint`` into shared memory; persisted by policy or ``persist``.
 
@@ -199,13 +204,16 @@ class FlashCheckpointEngine(CheckpointEngine):
         ``save_checkpoint`` returns True); a save outside the checkpoint directory is stock.
         Logs once (INFO) how long the whole call held training and where the step lands;
         ``report=False``: not logged (a trainer that logs its own save of the step).
+        ``step`` (with ``folder``, relative to the checkpoint directory; the layout's name of the
+        step when None): a caller that names the step and its directory itself (``save_dir`` is
+        that directory, ``latest`` and the recovery scripts are files of it, any ``tag``).
         """
         started = time.perf_counter()
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         tag = str(tag) if tag is not None else self.tag_format.format(step=self.engine.global_steps)
         args = (save_dir, tag, dict(client_state or {}), save_latest, exclude_frozen_parameters)
-        target = self._target(save_dir, tag)
+        target = self._target(save_dir, tag) if step is None else self._named_target(save_dir, step, folder)
         if target is None:
             with self._stock_engine():
                 return self._original_save(*args)
@@ -213,7 +221,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         persist = self._persist_policy(step) if persist is None else bool(persist)
         self._check_every_rank_saves(step, persist)
         self.last_save = None
-        self._current = _Save(step, tag, step_dir, nested, persist, save_latest, dict(files or {}))
+        self._current = _Save(step, tag, step_dir, nested, persist, save_latest, dict(files or {}), folder)
         try:
             self._original_save(save_dir, tag, dict(client_state or {}), False, exclude_frozen_parameters)
         finally:
@@ -235,18 +243,21 @@ class FlashCheckpointEngine(CheckpointEngine):
         *,
         prefer_memory: bool = True,
         memory_files: Mapping[str, Any] | None = None,
+        step: int | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """``DeepSpeedEngine.load_checkpoint`` from memory when a newer complete snapshot is there.
 
         Collective: every rank must call it. Returns what DeepSpeed's returns. ``memory_files``:
         this rank's files of the step, already read with ``Checkpointer.load(step, weights_only=False)``
         by a caller that needs the step's other files too (a trainer), so they are not read twice.
+        ``step``: a caller that names the step itself, ``load_dir`` being that step's directory
+        (any name; see ``save_checkpoint``).
         """
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
         load_abs = os.path.abspath(load_dir)
-        dir_step = self._step_of_dir(load_abs)
+        dir_step = self._step_of_dir(load_abs) if step is None else step
         if load_abs != self.checkpointer.url and dir_step is None:
             return self._original_load(load_dir, tag, **kwargs)  # not ours: stock
         if dir_step is None and tag is not None:
@@ -261,7 +272,8 @@ class FlashCheckpointEngine(CheckpointEngine):
         if tag is None and load_abs == self.checkpointer.url:
             tag = self.checkpointer.layout.step_path(step)
         if source == "memory":
-            with self._serving_memory(step, load_dir, tag, kwargs, memory_files) as tag:
+            step_dir = load_abs if dir_step is not None and load_abs != self.checkpointer.url else None
+            with self._serving_memory(step, load_dir, tag, kwargs, memory_files, step_dir) as tag:
                 out = self._original_load(load_dir, tag, **kwargs)
         else:
             out = self._original_load(load_dir, tag, **kwargs)
@@ -317,6 +329,13 @@ class FlashCheckpointEngine(CheckpointEngine):
         if step is not None:
             return step, save_abs, True
         return None
+
+    def _named_target(self, save_dir: str, step: int, folder: str | None) -> tuple[int, str, bool]:
+        """``(step, step directory, nested)`` of a save whose caller names the step and its folder."""
+        step_dir = os.path.join(self.checkpointer.url, folder or self.checkpointer.layout.step_path(step))
+        if os.path.abspath(save_dir) != os.path.normpath(step_dir):
+            raise ValueError(f"save_dir {save_dir!r} is not the directory {step_dir!r} of step {step}")
+        return step, os.path.normpath(step_dir), True
 
     def _parse_tag(self, tag: str) -> int:
         match = self._tag_pattern.fullmatch(tag)
@@ -404,15 +423,16 @@ class FlashCheckpointEngine(CheckpointEngine):
 
     @contextlib.contextmanager
     def _serving_memory(self, step: int, load_dir: str, tag: str | None, kwargs: dict[str, Any],
-                        files: Mapping[str, Any] | None) -> Iterator[str]:
-        """Serve ``step``'s files from memory to DeepSpeed's stock loading code; yields the tag."""
+                        files: Mapping[str, Any] | None, step_dir: str | None = None) -> Iterator[str]:
+        """Serve ``step``'s files from memory to DeepSpeed's stock loading code, as the files of
+        ``step_dir`` (the layout's directory of the step when None); yields the tag."""
         ck = self.checkpointer
         if files is None:
             result = ck.load(step, map_location="cpu", weights_only=False)
             if result is None or result.source != "memory":
                 raise FlashCkptError(f"the memory snapshot of step {step} vanished while it was being loaded")
             files = result.files
-        step_dir = os.path.join(ck.url, ck.layout.step_path(step))
+        step_dir = step_dir or os.path.join(ck.url, ck.layout.step_path(step))
         own = {os.path.join(step_dir, rel): obj for rel, obj in files.items()}
         held = collectives.all_gather_object(sorted(own), ck.world_size, ck.process_group)
         self._listing = sorted(set().union(*held))
@@ -548,25 +568,37 @@ def ensure_enabled(engine: Any, checkpointer: Checkpointer) -> FlashCheckpointEn
 
 
 def save_step(engine: Any, checkpointer: Checkpointer, step: int, files: Mapping[str, Any], *,
-              persist: bool, **kwargs: Any) -> SaveResult:
+              persist: bool, folder: str | None = None, tag: str | None = None, **kwargs: Any) -> SaveResult:
     """Save ``step`` of a trainer: ``engine.save_checkpoint`` into the step's directory of the
     checkpointer's layout (``checkpoint-N/global_stepN/...``, ``latest``, ``zero_to_fp32.py``) and the
-    trainer's ``files`` (relative to that directory), as one checkpoint committed together."""
+    trainer's ``files`` (relative to that directory), as one checkpoint committed together.
+    ``folder``: the step's directory (relative to the checkpoint directory) instead of the layout's;
+    ``tag``: DeepSpeed's tag directory in it (``global_step<N>`` when None)."""
     ensure_enabled(engine, checkpointer)
-    step_dir = os.path.join(checkpointer.url, checkpointer.layout.step_path(step))
-    return engine.save_checkpoint(step_dir, persist=persist, files=files, report=False, **kwargs)
+    if folder is None and tag is None:
+        step_dir = os.path.join(checkpointer.url, checkpointer.layout.step_path(step))
+        return engine.save_checkpoint(step_dir, persist=persist, files=files, report=False, **kwargs)
+    step_dir = os.path.join(checkpointer.url, folder or checkpointer.layout.step_path(step))
+    return engine.save_checkpoint(step_dir, tag or TAG_FORMAT.format(step=step), persist=persist, files=files,
+                                  report=False, step=step, folder=folder, **kwargs)
 
 
-def load_step(engine: Any, checkpointer: Checkpointer, step: int, files: Mapping[str, Any] | None = None,
-              **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+def load_step(engine: Any, checkpointer: Checkpointer, step: int, files: Mapping[str, Any] | None = None, *,
+              folder: str | None = None, tag: str | None = None, **kwargs: Any
+              ) -> tuple[str | None, dict[str, Any] | None]:
     """Load DeepSpeed's part of ``step`` of a trainer's checkpoint, from memory when every rank holds it.
 
     ``files``: this rank's files of the step as the trainer read them with
-    ``checkpointer.load(step, weights_only=False)``, served without reading them again.
+    ``checkpointer.load(step, weights_only=False)``, served without reading them again. ``folder``
+    and ``tag``: as :func:`save_step` saved them.
     """
     ensure_enabled(engine, checkpointer)
-    step_dir = os.path.join(checkpointer.url, checkpointer.layout.step_path(step))
-    return engine.load_checkpoint(step_dir, memory_files=files, **kwargs)
+    if folder is None and tag is None:
+        step_dir = os.path.join(checkpointer.url, checkpointer.layout.step_path(step))
+        return engine.load_checkpoint(step_dir, memory_files=files, **kwargs)
+    step_dir = os.path.join(checkpointer.url, folder or checkpointer.layout.step_path(step))
+    return engine.load_checkpoint(step_dir, tag or TAG_FORMAT.format(step=step), memory_files=files, step=step,
+                                  **kwargs)
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -363,7 +363,57 @@ rdzv_backend: static
 same_network: true
 use_cpu: false
 """
-FSDP_SCRIPT = os.path.join(REPO, "tests", "hf", "accelerate_fsdp_script.py")
+SHARDED_SCRIPT = os.path.join(REPO, "tests", "hf", "accelerate_sharded_script.py")
+
+
+DEEPSPEED_CONFIG = """compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  zero_stage: {stage}
+  gradient_accumulation_steps: 1
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: false
+  zero3_save_16bit_model: false
+distributed_type: DEEPSPEED
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+def _crash_resume_and_compare(tmp_path, config_text: str) -> list[str]:
+    """A crash right after the memory snapshot of step 6 (committed: step_4), a relaunch that resumes from
+    memory and trains to step 8; the stock accelerate, in processes that never import us, resumes from our
+    step_4 folder and trains to step 8: the same parameters, bit for bit (each step's batch depends only on
+    the step). Returns the files of step_4."""
+    config = tmp_path / "config.yaml"
+    config.write_text(config_text)
+    out = str(tmp_path / "run")
+    crashed, _ = _launch(SHARDED_SCRIPT, "--out", out, "--crash-at", "6", config=str(config))
+    assert crashed.returncode != 0 and '{"crashing_at": 6}' in crashed.stdout, crashed.stdout + crashed.stderr
+    assert _wait_for(lambda: "step_4" in os.listdir(out))
+    files = sorted(os.path.relpath(os.path.join(d, f), os.path.join(out, "step_4")).replace(os.sep, "/")
+                   for d, _, names in os.walk(os.path.join(out, "step_4")) for f in names)
+
+    resumed, summary = _launch(SHARDED_SCRIPT, "--out", out, "--params-out", str(tmp_path / "run.pt"),
+                               config=str(config))
+    logs = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, logs
+    assert summary["resumed_from"] == [6, "memory"] and summary["flash"], logs
+    assert _wait_for(lambda: "step_8" in os.listdir(out)), logs
+
+    stock, ref = _launch(SHARDED_SCRIPT, "--out", str(tmp_path / "stock"), "--plain", "--resume-from",
+                         os.path.join(out, "step_4"), "--params-out", str(tmp_path / "stock.pt"), config=str(config))
+    assert stock.returncode == 0, stock.stdout + stock.stderr
+    assert ref["resumed_from"] == [4, "storage"] and not ref["flash"]
+    assert summary["params_sha256"] == ref["params_sha256"]
+    _assert_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "stock.pt"))
+    return files
 
 
 @pytest.mark.distributed
@@ -371,40 +421,33 @@ FSDP_SCRIPT = os.path.join(REPO, "tests", "hf", "accelerate_fsdp_script.py")
 @pytest.mark.parametrize("version,kind", [(2, "SHARDED_STATE_DICT"), (2, "FULL_STATE_DICT"), (1, "SHARDED_STATE_DICT")])
 def test_accelerate_launch_fsdp_crash_resumes_from_memory_as_stock_resumes_from_our_folder(tmp_path, private_shm_dir,
                                                                                            version, kind):
-    """FSDP from an ``accelerate launch`` config file, 2 processes: a crash right after the memory snapshot
-    of step 6 (committed: step_4), a relaunch that resumes from memory and trains to step 8; the stock
-    accelerate, in processes that never import us, resumes from our step_4 folder and trains to step 8:
-    the same parameters, bit for bit (each step's batch depends only on the step)."""
-    config = tmp_path / "fsdp.yaml"
+    """FSDP from an ``accelerate launch`` config file, 2 processes (see :func:`_crash_resume_and_compare`)."""
     options = ("  fsdp_reshard_after_forward: true\n" if version == 2 else  # (no sync_module_states on a CPU)
                "  fsdp_reshard_after_forward: FULL_SHARD\n  fsdp_sync_module_states: false\n"
                "  fsdp_use_orig_params: true\n")
-    config.write_text(FSDP_CONFIG.format(version=version, kind=kind, version_options=options))
-    out = str(tmp_path / "run")
-    crashed, _ = _launch(FSDP_SCRIPT, "--out", out, "--crash-at", "6", config=str(config))
-    assert crashed.returncode != 0 and '{"crashing_at": 6}' in crashed.stdout, crashed.stdout + crashed.stderr
-    assert _wait_for(lambda: "step_4" in os.listdir(out))
-    files = sorted(os.path.relpath(os.path.join(d, f), os.path.join(out, "step_4"))
-                   for d, _, names in os.walk(os.path.join(out, "step_4")) for f in names)
+    files = _crash_resume_and_compare(tmp_path, FSDP_CONFIG.format(version=version, kind=kind,
+                                                                   version_options=options))
     fsdp_files = ({"optimizer_0/.metadata", "optimizer_0/__0_0.distcp", "optimizer_0/__1_0.distcp",
                    "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp",
                    "pytorch_model_fsdp_0/__1_0.distcp"} if kind == "SHARDED_STATE_DICT"
                   else {"optimizer.bin", "pytorch_model_fsdp.bin"})
     assert set(files) == fsdp_files | {"random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"}, files
 
-    resumed, summary = _launch(FSDP_SCRIPT, "--out", out, "--params-out", str(tmp_path / "run.pt"),
-                               config=str(config))
-    logs = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, logs
-    assert summary["resumed_from"] == [6, "memory"] and summary["flash"], logs
-    assert _wait_for(lambda: "step_8" in os.listdir(out)), logs
 
-    stock, ref = _launch(FSDP_SCRIPT, "--out", str(tmp_path / "stock"), "--plain", "--resume-from",
-                         os.path.join(out, "step_4"), "--params-out", str(tmp_path / "stock.pt"), config=str(config))
-    assert stock.returncode == 0, stock.stdout + stock.stderr
-    assert ref["resumed_from"] == [4, "storage"] and not ref["flash"]
-    assert summary["params_sha256"] == ref["params_sha256"]
-    _assert_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "stock.pt"))
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_launch_deepspeed_crash_resumes_from_memory_as_stock_resumes_from_our_folder(
+        tmp_path, private_shm_dir, stage):
+    """DeepSpeed ZeRO-2/3 from an ``accelerate launch`` config file, 2 processes (see
+    :func:`_crash_resume_and_compare`); the folders hold DeepSpeed's own layout under accelerate's tag."""
+    files = _crash_resume_and_compare(tmp_path, DEEPSPEED_CONFIG.format(stage=stage))
+    model_states = (["pytorch_model/mp_rank_00_model_states.pt"] if stage == 2 else
+                    [f"pytorch_model/zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)])
+    expected = {"latest", "zero_to_fp32.py", "random_states_0.pkl", "random_states_1.pkl", *model_states,
+                *[f"pytorch_model/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]}
+    assert expected <= set(files), files
+    assert (tmp_path / "run" / "step_4" / "latest").read_text() == "pytorch_model"
 
 
 def test_missing_accelerate_names_the_extra():

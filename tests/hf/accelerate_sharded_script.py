@@ -1,12 +1,13 @@
-"""An accelerate loop on a tiny GPT-2 under FSDP, launched by ``accelerate launch`` with an FSDP config file
-(2 processes; run by test_accelerate.py).
+"""An accelerate loop on a tiny GPT-2 under FSDP or DeepSpeed, launched by ``accelerate launch`` with an FSDP or
+DeepSpeed config file (2 processes; run by test_accelerate.py).
 
-    accelerate launch --config_file FSDP.yaml tests/hf/accelerate_fsdp_script.py --out DIR
+    accelerate launch --config_file CONFIG.yaml tests/hf/accelerate_sharded_script.py --out DIR
         [--crash-at S] [--plain --resume-from FOLDER] [--params-out FILE]
 
-On a machine without GPUs accelerate does not set FSDP up from the config file (each process then
-runs alone, undistributed): this script builds its Accelerator with gloo and turns on the FSDP plugin
-that the launcher's environment describes, before ``prepare`` (test-only; the package never does this).
+On a machine without GPUs accelerate does not set FSDP or DeepSpeed up from the config file (each
+process then runs alone, undistributed): this script builds its Accelerator with gloo, and turns on
+the FSDP plugin that the launcher's environment describes before ``prepare`` (test-only; the package
+never does this).
 
 Flash mode (default): ``enable(accelerator, DIR)``, ``load_state()`` at start (the newest of memory
 and storage), ``save_state(DIR/step_<N>)`` every 4 steps, a memory-only snapshot every 3; with
@@ -53,8 +54,8 @@ def batch_for(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 256, (BATCH, SEQ_LEN), generator=g)
 
 
-def cpu_fsdp_accelerator(project_dir: str) -> Accelerator:
-    """An Accelerator whose FSDP plugin is the one the launcher's environment describes (test-only)."""
+def cpu_accelerator(project_dir: str) -> Accelerator:
+    """A distributed Accelerator on gloo; under FSDP, with the plugin the launcher's environment describes."""
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
                               project_config=ProjectConfiguration(project_dir))
     if os.environ.get("ACCELERATE_USE_FSDP") == "true" and accelerator.distributed_type != DistributedType.FSDP:
@@ -67,6 +68,16 @@ def cpu_fsdp_accelerator(project_dir: str) -> Accelerator:
     return accelerator
 
 
+def full_parameters(model: torch.nn.Module, kind: DistributedType) -> dict[str, torch.Tensor]:
+    """The full fp32 parameters on every rank (collective)."""
+    if kind == DistributedType.DEEPSPEED:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {name: safe_get_full_fp32_param(p) for name, p in model.module.named_parameters()}
+    # (accelerate's get_state_dict offloads to the CPU, which crashes FSDP1 on parameters already there)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -76,8 +87,11 @@ def main() -> None:
     parser.add_argument("--resume-from")
     parser.add_argument("--params-out")
     opts = parser.parse_args()
-    accelerator = cpu_fsdp_accelerator(opts.out)
-    assert accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 2
+    accelerator = cpu_accelerator(opts.out)
+    kind = accelerator.distributed_type
+    assert kind in (DistributedType.FSDP, DistributedType.DEEPSPEED) and accelerator.num_processes == 2, kind
+    if kind == DistributedType.DEEPSPEED:  # (no dataloader is prepared to tell it)
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = BATCH
     set_seed(7)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=SEQ_LEN,
                                        bos_token_id=0, eos_token_id=0))
@@ -88,10 +102,11 @@ def main() -> None:
     flash, resumed = None, None
     if opts.plain:
         if opts.resume_from:
-            if accelerator.state.fsdp_plugin.fsdp_version == 1:  # else FSDP1 restores no optimizer state
-                from torch.distributed.checkpoint.state_dict import _init_optim_state  # into one never stepped
+            if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version == 1:  # else FSDP1
+                from torch.distributed.checkpoint.state_dict import _init_optim_state  # restores no optimizer
 
-                _init_optim_state(optimizer.optimizer)
+
+                _init_optim_state(optimizer.optimizer)  # state into one that never stepped
             accelerator.load_state(opts.resume_from)
             resumed = [int(re.search(r"(\d+)$", opts.resume_from).group(1)), "storage"]
     else:
@@ -119,9 +134,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     if flash is not None:
         flash.close()
-    # the full parameters on every rank (collective; accelerate's get_state_dict offloads to the CPU, which
-    # crashes FSDP1 on parameters already there)
-    params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    params = full_parameters(model, kind)
     if accelerator.is_main_process:
         params = {k: v.detach().cpu().clone() for k, v in params.items()}
         if opts.params_out:
