@@ -174,6 +174,8 @@ class AccelerateCheckpointer:
         self.checkpointer = Checkpointer(self.root, self._make_config(config, project.total_limit))
         self.resumed_from: tuple[int, str] | None = None
         """``(step, "memory" | "storage")`` of the last ``load_state``, or None."""
+        self.resumed_folder: str | None = None
+        """The folder of the last ``load_state``'s checkpoint (relative to the checkpoint directory), or None."""
         self._attached: set[int] = set()
         self._saved_since_restore = False
 
@@ -261,13 +263,17 @@ class AccelerateCheckpointer:
 
         The step is what the loop passed to ``save_state`` (``step_<N>``: optimizer steps, or batches
         with ``gradient_accumulation_steps``). Skip the batches with
-        ``accelerator.skip_first_batches(loader, skip)`` in that epoch only.
+        ``accelerator.skip_first_batches(loader, skip)`` in that epoch only. A checkpoint in a folder
+        named ``epoch_<N>`` (saved at the end of epoch N, as the examples name it) resumes at the
+        start of epoch N + 1.
         """
         if batches_per_epoch < 1 or gradient_accumulation_steps < 1:
             raise ValueError(f"batches_per_epoch ({batches_per_epoch}) and gradient_accumulation_steps "
                              f"({gradient_accumulation_steps}) must be at least 1")
         if self.resumed_from is None:
             return 0, 0
+        if self.resumed_folder is not None and os.path.basename(self.resumed_folder).startswith("epoch_"):
+            return self.resumed_from[0] + 1, 0
         batches = self.resumed_from[0] * gradient_accumulation_steps
         return batches // batches_per_epoch, batches % batches_per_epoch
 
@@ -364,17 +370,18 @@ class AccelerateCheckpointer:
             committed = ck.committed_steps()
             step = step if step is not None else (committed[-1] if committed else None)
             if step is None:
-                self.resumed_from = None
+                self.resumed_from = self.resumed_folder = None
                 return None
             if step not in committed:
                 raise FlashCkptError(f"step {step} is neither committed in {self.root} nor held in memory by "
                                      f"every process; committed steps: {committed}")
             declare_resume(ck, step)  # the stock loader reads it: this attempt continues that commit's lineage
             self._stock_load(self.checkpoint_path(step))
-            self.resumed_from = (step, "storage")
+            self.resumed_from, self.resumed_folder = (step, "storage"), ck.committed_folder(step)
         else:
+            folder = ck.snapshot_folder(memory)
             self._load_from_memory(memory)
-            self.resumed_from = (memory, "memory")
+            self.resumed_from, self.resumed_folder = (memory, "memory"), folder
         step = self.resumed_from[0]
         project = self.accelerator.project_configuration
         if project.automatic_checkpoint_naming:

@@ -238,6 +238,10 @@ class Checkpointer:
     def committed_folder(self, step: int) -> str | None:
         return self.loads.committed_folder(step)
 
+    @_doc_from(LoadPath.snapshot_folder)
+    def snapshot_folder(self, step: int) -> str | None:
+        return self.loads.snapshot_folder(step)
+
     @_doc_from(LoadPath.committed_entries)
     def committed_entries(self, step: int) -> dict[str, dict[str, Any]]:
         return self.loads.committed_entries(step)

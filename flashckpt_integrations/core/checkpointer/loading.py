@@ -327,6 +327,16 @@ class LoadPath:
         record = commit_record(self.storage, step)
         return None if record is None else files_dir(self.storage, self.layout, step, record)
 
+    def snapshot_folder(self, step: int) -> str | None:
+        """The folder (relative to the checkpoint directory) that this rank's memory snapshot of ``step``
+        was saved for (``save(..., folder=)``, or the layout's ``step_dir``); None when it holds no
+        snapshot of ``step``."""
+        snapshot = self.memory_snapshots().get(step)
+        if snapshot is None:
+            return None
+        layout = snapshot[1].get("persist_target", {}).get("layout") or {}
+        return layout.get("folder") or self.layout.step_path(step)
+
     def committed_entries(self, step: int) -> dict[str, dict[str, Any]]:
         """Every rank's files of committed ``step`` by path (relative to :meth:`committed_folder`):
         each one's rank-marker entry, with the size and crc32 it was written with."""
