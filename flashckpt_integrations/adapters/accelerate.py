@@ -386,7 +386,8 @@ class AccelerateCheckpointer:
         project = self.accelerator.project_configuration
         if project.automatic_checkpoint_naming:
             project.iteration = step + 1
-        where = "shared memory" if self.resumed_from[1] == "memory" else self.checkpoint_path(step)
+        where = (f"shared memory, the snapshot for {self.checkpoint_path(step, self.resumed_folder)}"
+                 if self.resumed_from[1] == "memory" else self.checkpoint_path(step))
         logger.warning("flashckpt: resumed from step %d (%s); the next save should be of a later step", step, where)
         self._saved_since_restore = False
         return self.resumed_from

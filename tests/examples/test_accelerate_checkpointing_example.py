@@ -84,7 +84,8 @@ def test_the_example_resumes_from_memory_as_the_stock_script_resumes_from_the_fo
     logs = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0 and summary is not None, logs[-3000:]
     step = int(crash_at)
-    assert logs.count(f"resumed from step {step} (shared memory)") == processes, logs[-3000:]
+    resumed_line = f"resumed from step {step} (shared memory, the snapshot for {os.path.join(out, folder)})"
+    assert logs.count(resumed_line) == processes, logs[-3000:]
     assert summary["final_step"] == 36 // processes, summary  # 3 epochs of 96 samples in batches of 8 per process
 
     stock, reference = _run(stock_script, "--output_dir", str(tmp_path / "stock"), "--checkpointing_steps", mode,

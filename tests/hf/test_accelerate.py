@@ -168,8 +168,11 @@ def test_a_restore_says_where_it_resumed_and_a_loop_that_starts_over_is_warned(t
     assert flash.resume_point(4) == (0, 0)  # nothing restored yet
     caplog.clear()
     assert accelerator.load_state() == (6, "memory")
+    snapshot_folder = tmp_path / "proj" / "checkpoints" / "checkpoint_6"
     assert [r.getMessage() for r in caplog.records] == [
-        "flashckpt: resumed from step 6 (shared memory); the next save should be of a later step"]
+        f"flashckpt: resumed from step 6 (shared memory, the snapshot for {snapshot_folder}); the next save should "
+        "be of a later step"]
+    assert flash.resumed_folder == "checkpoints/checkpoint_6"
     assert flash.resume_point(4) == (1, 2) and flash.resume_point(2, gradient_accumulation_steps=2) == (6, 0)
     with pytest.raises(ValueError, match="must be at least 1"):
         flash.resume_point(0)
