@@ -520,23 +520,39 @@ def enable(
 
     ``save_state(output_dir=None)`` persists the next automatic checkpoint; ``save_state(path)``
     persists into ``path``, any folder under the checkpoint directory whose name ends with its step
-    (``step_<N>``, ``epoch_<N>``, ``checkpoint_<N>``). ``load_state()`` restores the newest snapshot
-    (memory or storage) and does nothing when there is none; ``load_state(path)`` of a folder this
+    (``step_<N>``, ``epoch_<N>``, ``checkpoint_<N>``); any other folder (``best``, one elsewhere) is
+    written by the stock ``save_state``, with a WARNING that it is not a flash checkpoint (with
+    ``automatic_checkpoint_naming``, as the stock code ignores the path, it is the next automatic
+    checkpoint).
+    ``load_state()`` restores the newest snapshot (memory or storage) and does nothing when there is
+    none; ``load_state(path)`` of a folder this
     job committed restores that step (from memory when every process holds it), any other path is
     read by the stock code. A restore returns ``(step, "memory" | "storage")`` and says so in a WARNING
     (scripts rarely configure logging). Returns the checkpointer (for memory-only saves,
     ``resume_point``, ``wait`` and ``close``).
     """
     flash = AccelerateCheckpointer(accelerator, checkpoint_dir, config=config)
-    stock_load = accelerator.load_state
+    stock_load, stock_save = accelerator.load_state, accelerator.save_state
     accelerator._flashckpt_stock_load_state = stock_load
 
-    def save_state(output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
+    def save_state(output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         step, folder = None, None
         if output_dir is not None:
-            step, folder = _our_folder(flash, output_dir)
-            if folder == flash.layout.step_path(step):
-                folder = None  # the default name: as a save without a path names it
+            ours = flash.folder_of(output_dir)
+            if ours is None and accelerator.project_configuration.automatic_checkpoint_naming:
+                # as with the stock save_state, whose automatic naming ignores the path
+                logger.warning("flashckpt: save_state(%r): with automatic_checkpoint_naming accelerate ignores the "
+                               "path; this is the next automatic checkpoint", os.fspath(output_dir))
+            elif ours is None:  # a folder without a step in its name, or elsewhere: the stock save
+                logger.warning(
+                    "flashckpt: save_state(%r) is not a flash checkpoint (those go under %s, into a folder whose "
+                    "name ends with its step: step_<N>, epoch_<N>, checkpoint_<N>); the stock save_state writes "
+                    "it, holding training until it is written", os.fspath(output_dir), flash.root)
+                return stock_save(output_dir, safe_serialization=safe_serialization, **kwargs)
+            else:
+                step, folder = ours
+                if folder == flash.layout.step_path(step):
+                    folder = None  # the default name: as a save without a path names it
         result = flash.save_state(step, safe_serialization=safe_serialization, folder=folder)
         if not result.ok:
             raise FlashCkptError(f"save_state of step {result.step} did not happen: {result.reason}")
@@ -553,17 +569,6 @@ def enable(
     accelerator.save_state = save_state
     accelerator.load_state = load_state
     return flash
-
-
-def _our_folder(flash: AccelerateCheckpointer, path: str | os.PathLike) -> tuple[int, str]:
-    """``(step, folder)`` of a folder ``save_state`` is asked to write."""
-    ours = flash.folder_of(path)
-    if ours is None:
-        raise ValueError(
-            f"save_state({os.fspath(path)!r}): flash checkpoints are written under {flash.root} into a folder "
-            "whose name ends with its step (step_<N>, epoch_<N>, checkpoint_<N>); pass such a folder, or give "
-            "enable() a checkpoint_dir above the folders you save to")
-    return ours
 
 
 def _holds(flash: AccelerateCheckpointer, step: int, folder: str) -> bool:

@@ -219,15 +219,42 @@ def test_save_state_into_the_scripts_own_folders_and_load_state_from_them_or_ano
     assert counter.count == 2
 
 
+def test_a_folder_that_is_not_a_flash_checkpoint_is_saved_by_the_stock_code_and_said_so(tmp_path, caplog):
+    """``save_state("best")`` or a folder elsewhere: no step in the name, so the stock save_state writes it
+    (synchronously, said in a WARNING); ``load_state`` of it is the stock loader's, and gets it back."""
+    caplog.set_level(logging.WARNING, logger="flashckpt_integrations")
+    accelerator, model, optimizer, scheduler, counter = _setup(tmp_path / "proj", automatic=False)
+    flash = enable(accelerator, tmp_path / "ckpt")
+    _train(model, optimizer, scheduler, counter, 2)
+    expected = _state(model, optimizer)
+    for path in (tmp_path / "ckpt" / "best", tmp_path / "somewhere" / "else"):
+        caplog.clear()
+        accelerator.save_state(str(path))
+        assert {"model.safetensors", "optimizer.bin", "scheduler.bin"} <= set(os.listdir(path))
+        (warning,) = [r.getMessage() for r in caplog.records]
+        assert "is not a flash checkpoint" in warning and "stock save_state" in warning
+    _train(model, optimizer, scheduler, counter, 2)
+    accelerator.load_state(str(tmp_path / "somewhere" / "else"))
+    _assert_equal(_state(model, optimizer), expected)
+    assert flash.checkpointer.committed_steps() == []  # nothing of it went through the core
+    flash.close()
+
+    # with automatic naming the stock save_state ignores the path: the next automatic checkpoint
+    accelerator, model, optimizer, scheduler, counter = _setup(tmp_path / "auto")
+    flash = enable(accelerator)
+    caplog.clear()
+    assert accelerator.save_state(str(tmp_path / "auto" / "best")).endswith("checkpoint_0")
+    assert "accelerate ignores the path" in caplog.records[0].getMessage()
+    flash.wait()
+    assert os.listdir(tmp_path / "auto" / "checkpoints") == ["checkpoint_0"]
+    flash.close()
+
+
 def test_bad_input_is_refused_with_what_to_do(tmp_path):
     accelerator, model, *_ = _setup(tmp_path / "proj")
     with pytest.raises(ValueError, match="leave checkpoint_dir out"):
         AccelerateCheckpointer(accelerator, tmp_path / "elsewhere")
     flash = enable(accelerator)
-    with pytest.raises(ValueError, match="written under .* whose name ends with its step"):
-        accelerator.save_state(str(tmp_path / "somewhere" / "else"))
-    with pytest.raises(ValueError, match="written under"):
-        accelerator.save_state(str(tmp_path / "proj" / "checkpoints" / "no_number"))
     flash.save_state(1, persist=False)
     saved = accelerator._models[0]
     accelerator._models[0] = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
