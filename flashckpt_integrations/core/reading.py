@@ -66,7 +66,9 @@ _LOCAL_SIG, _CENTRAL_SIG, _END_SIG = 0x04034B50, 0x02014B50, 0x06054B50
 
 
 class Ranges(Protocol):
-    """A file opened for positioned reads (:meth:`.storage.LocalStorage.open_ranges`, or :class:`FileRanges`)."""
+    """A file opened for positioned reads (:meth:`.storage.LocalStorage.open_ranges`,
+    :meth:`.storage.FsspecStorage.open_ranges`, or :class:`FileRanges`). An optional ``chunk``
+    attribute sets the size of the sequential reads (``CHUNK`` without it)."""
 
     size: int
     align: int
@@ -516,7 +518,7 @@ class _Stream:
 
     def __init__(self, ranges: Ranges, path: str, end: int) -> None:
         self.path, self.end, self.crc = path, end, 0
-        self._chunk = min(CHUNK, _round_up(max(end, 1), PAGE))
+        self._chunk = min(getattr(ranges, "chunk", CHUNK), _round_up(max(end, 1), PAGE))
         depth = DEPTH if end > self._chunk else 1
         self._buffers = [mmap.mmap(-1, self._chunk) for _ in range(depth)]
         self._tensors = [torch.frombuffer(buffer, dtype=torch.uint8) for buffer in self._buffers]

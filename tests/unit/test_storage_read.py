@@ -107,3 +107,45 @@ def test_a_read_refused_under_o_direct_is_made_buffered(tmp_path):
         out = bytearray(1000)
         assert ranges.readinto(4097, memoryview(out)) == 1000  # unaligned: EINVAL under O_DIRECT
         assert bytes(out) == data[4097:5097] and not ranges.direct
+
+
+def test_an_object_store_read_is_ranged_requests_in_parallel_each_byte_once():
+    """fsspec back ends: a read is split into ranged requests of ``PART`` bytes, several in flight at
+    once (here a file system without an event loop: on threads), covering the file exactly once."""
+    import threading
+    import time
+    import uuid
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from flashckpt_integrations.core.storage import FsspecRanges, FsspecStorage, write_bytes
+
+    requests, active, most = [], [0], [0]
+    lock = threading.Lock()
+
+    class SlowMemory(MemoryFileSystem):  # a real fsspec file system whose ranged reads take 20 ms
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            with lock:
+                active[0] += 1
+                most[0] = max(most[0], active[0])
+                requests.append((start, end))
+            time.sleep(0.02)
+            try:
+                return super().cat_file(path, start=start, end=end, **kwargs)
+            finally:
+                with lock:
+                    active[0] -= 1
+
+    storage = FsspecStorage(f"memory://flashckpt-ranges-{uuid.uuid4().hex}", fs=SlowMemory())
+    data = os.urandom((21 << 20) + 12345)
+    write_bytes(storage, "f.bin", data)
+    requests.clear()
+    with reading.open_ranges(storage, "f.bin") as ranges:
+        assert isinstance(ranges, FsspecRanges)
+        got = reading.read_bytes(ranges, "f.bin")
+    assert bytes(got) == data
+    spans = sorted(requests)
+    assert spans[0][0] == 0 and spans[-1][1] == len(data), spans
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans  # contiguous, no byte twice
+    assert all(end - start <= FsspecRanges.PART for start, end in spans)
+    assert most[0] > 1, "the ranged requests never overlapped"
