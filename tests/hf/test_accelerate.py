@@ -375,6 +375,16 @@ def test_accelerate_launch_loop_example_crashes_resumes_and_stock_accelerate_loa
     _assert_equal({k: loaded[k] for k in final}, final)
 
 
+LAUNCH_SETTINGS = """machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+"""What every accelerate config file of these tests ends with: 2 processes on this machine."""
 FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
 distributed_type: FSDP
 fsdp_config:
@@ -384,15 +394,7 @@ fsdp_config:
   fsdp_transformer_layer_cls_to_wrap: GPT2Block
   fsdp_offload_params: false
   fsdp_cpu_ram_efficient_loading: false
-{version_options}machine_rank: 0
-main_training_function: main
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-use_cpu: false
-"""
+{version_options}""" + LAUNCH_SETTINGS
 SHARDED_SCRIPT = os.path.join(REPO, "tests", "hf", "accelerate_sharded_script.py")
 
 
@@ -405,15 +407,7 @@ deepspeed_config:
   zero3_init_flag: false
   zero3_save_16bit_model: false
 distributed_type: DEEPSPEED
-machine_rank: 0
-main_training_function: main
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-use_cpu: false
-"""
+""" + LAUNCH_SETTINGS
 
 
 def _crash_resume_and_compare(tmp_path, config_text: str) -> list[str]:
