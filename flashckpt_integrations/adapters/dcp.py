@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from ..config import CheckpointerConfig
-from ..core import collectives
+from ..core import collectives, reshard
 from ..core.checkpointer import Checkpointer
 from ..core.codecs import decode_from_slot, parts_layout
 from ..core.layout import Layout
@@ -400,10 +400,16 @@ def load(
     group = ck.process_group
     check_in("load", group, timeout_s)
     chosen = resolve_step(ck, step, prefer_memory=prefer_memory)
+    if chosen is None and prefer_memory and step is None:
+        chosen = (-1, "storage")  # nothing committed: only memory of another number of ranks can serve
     if chosen is None:
         return None
     explicit = step is not None
     step, source = chosen
+    sources = _resharding(ck, step if source == "storage" else None) if prefer_memory and source == "storage" \
+        and not explicit else None
+    if sources is not None:
+        step, source = sources.choice.step, "memory"
     started = time.perf_counter()
     stateful = as_stateful(state)
     if planner is None and not strict:
@@ -412,21 +418,37 @@ def load(
     while True:
         if source == "memory":  # read by DCP's loader from the slots, not by Checkpointer.load
             declare_resume(ck, step, source)
-            reader: StorageReader = MemoryReader(ck, step, folder)
+            reader: StorageReader = MemoryReader(ck, step, folder, sources)
+        elif step < 0:
+            return None
         else:
             reader = _storage_reader(ck, step, folder)
         _validate(stateful, reader.read_metadata(), strict, group, ck.world_size)
         try:
             dcp.load(stateful, storage_reader=reader, planner=planner, process_group=group)
         except CheckpointException as exc:  # raised on every rank, with every rank's failure
+            if source == "memory":  # (memory was verified before: not a failed checksum)
+                raise
             fallbacks.append(_failed_verification(ck, exc, step))
             step = _older_commit(ck, step, fallbacks, explicit)
             continue
         break
+    if sources is not None:
+        sources.close()
+        logger.warning("[RANK %d] resharded step %d from the memory of a job of %d ranks onto %d ranks",
+                       ck.rank, step, sources.choice.world_size, ck.world_size)
     if source == "storage":  # once the files verified: an attempt continues what it loaded
         declare_resume(ck, step, source)
     logger.info("[RANK %d] loaded DCP step %d from %s in %.3fs", ck.rank, step, source, time.perf_counter() - started)
     return DcpLoadResult(step, source, fallbacks)
+
+
+def _resharding(ck: Checkpointer, newest_commit: int | None) -> reshard.Sources | None:
+    """The old ranks' snapshots to reshard from, when this node's memory holds a step of a job of another
+    number of ranks that is at least as new as ``newest_commit`` (collective); else None."""
+    found = reshard.node_snapshots(ck)
+    choice = reshard.choose(ck, found, newest_commit)
+    return None if choice is None else reshard.Sources.open(ck, choice, found)
 
 
 def _failed_verification(ck: Checkpointer, exc: CheckpointException, step: int) -> str:
@@ -507,28 +529,34 @@ class MemoryReader(ItemReader):
     per owner) inside ``read_data``, which DCP calls on every rank.
     """
 
-    def __init__(self, checkpointer: Checkpointer, step: int, folder: str) -> None:
+    def __init__(self, checkpointer: Checkpointer, step: int, folder: str, sources: reshard.Sources | None = None
+                 ) -> None:
         super().__init__()
         self.ck = checkpointer
         self.folder = folder
-        snapshot = checkpointer.memory_snapshots().get(step)
-        if snapshot is None:
-            raise CheckpointNotFoundError(f"rank {checkpointer.rank} no longer holds step {step} in memory")
-        slot, meta = snapshot
+        if sources is None:  # the same ranks: each serves its own snapshot
+            snapshot = checkpointer.memory_snapshots().get(step)
+            if snapshot is None:
+                raise CheckpointNotFoundError(f"rank {checkpointer.rank} no longer holds step {step} in memory")
+            snapshots, self.owners = {checkpointer.rank: snapshot}, None
+        else:  # another number of ranks: each serves the old ranks' snapshots it was given
+            snapshots, self.owners = sources.slots, sources.choice.owners
         prefix = _join(folder, "")
         self.parts: dict[str, dict[int, Any]] = {}
         raw_metadata = None
-        for fmeta in meta["files"]:
-            path = fmeta["path"]
-            if not path.startswith(prefix) or "/" in path[len(prefix):]:
-                continue
-            name = path[len(prefix):]
-            if name == METADATA_FILE:
-                raw_metadata = decode_from_slot(slot, meta["regions"], fmeta)
-            elif fmeta["codec"] == Codec.PARTS.value:
-                parts = decode_from_slot(slot, meta["regions"], fmeta, copy=False)
-                self.parts[name] = {offset: part for part, (offset, _) in zip(parts, parts_layout(parts))}
-        raw_metadata = broadcast_bytes(raw_metadata, checkpointer)
+        for old_rank, (slot, meta) in snapshots.items():
+            for fmeta in meta["files"]:
+                path = fmeta["path"]
+                if not path.startswith(prefix) or "/" in path[len(prefix):]:
+                    continue
+                name = path[len(prefix):]
+                if name == METADATA_FILE:
+                    if old_rank == 0:
+                        raw_metadata = decode_from_slot(slot, meta["regions"], fmeta)
+                elif fmeta["codec"] == Codec.PARTS.value:
+                    parts = decode_from_slot(slot, meta["regions"], fmeta, copy=False)
+                    self.parts[name] = {offset: part for part, (offset, _) in zip(parts, parts_layout(parts))}
+        raw_metadata = broadcast_bytes(raw_metadata, checkpointer, src=self._owner(0))
         if raw_metadata is None:
             raise CheckpointNotFoundError(f"the memory snapshot of step {step} holds no {_join(folder, METADATA_FILE)}")
         self.metadata: Metadata = pickle.loads(raw_metadata)
@@ -569,7 +597,7 @@ class MemoryReader(ItemReader):
             match = _FILE_RANK.search(path)
             if match is None:
                 raise FlashCkptError(f"cannot tell which rank wrote {path!r}; load from storage (prefer_memory=False)")
-            by_owner.setdefault(int(match.group(1)), []).append((path, offset, length))
+            by_owner.setdefault(self._owner(int(match.group(1))), []).append((path, offset, length))
         received: dict[tuple[str, int], bytes] = {}
         mine = set((p, o) for p, o, _ in wanted)
         for owner in range(self.ck.world_size):
@@ -584,6 +612,10 @@ class MemoryReader(ItemReader):
                     received[(path, offset)] = data[position:position + length]
                 position += length
         return received
+
+    def _owner(self, old_rank: int) -> int:
+        """The rank that serves the snapshot of ``old_rank`` (the same rank, unless resharding)."""
+        return old_rank if self.owners is None else self.owners[old_rank]
 
     def _encode(self, items: list[tuple[str, int, int]]) -> bytes:
         out = io.BytesIO()

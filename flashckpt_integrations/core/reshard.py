@@ -1,0 +1,150 @@
+"""Memory snapshots taken by another number of ranks: what a restore that reshards reads from.
+
+A job restarted on fewer (or more) ranks finds the old ranks' snapshots in the shared memory of
+the nodes it runs on: the slots of the old ranks of each node, and the replicas a node holds for
+ranks of nodes that are gone. State saved in a format that reshards (DCP's: global metadata and
+items) can be read from them onto the new ranks, without reading storage.
+
+Call order::
+
+    found = node_snapshots(ck)                  # this node's complete snapshots of the job (other world sizes)
+    choice = choose(ck, found, newest_commit)   # collective: the step, the old world size, who serves which old rank
+    sources = Sources.open(ck, choice, found)   # collective: maps and verifies the old ranks this rank serves
+    sources.snapshot(old_rank)                  # (slot, metadata) of one of them
+    sources.close()
+
+A step is chosen only when every old rank's snapshot of it is held by some new rank and it is at
+least as new as the newest commit; each old rank is served by one of the new ranks that hold it
+(spread over them by old rank).
+Every served snapshot is verified against its checksum table; if one fails, every rank gets
+``None`` from :meth:`Sources.open` and loads from storage.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import knobs
+from ..errors import CorruptCheckpointError
+from . import collectives
+from .rescue import job_replicas, job_slots
+from .shm_buffer import Slot, complete_snapshot
+from .verify import check_slot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One complete snapshot found in this node's shared memory."""
+
+    path: str
+    rank: int
+    world_size: int
+    step: int
+    seq: int
+
+
+@dataclass
+class Choice:
+    step: int
+    world_size: int
+    """The old job's number of ranks."""
+    owners: dict[int, int]
+    """Old rank -> the new rank that serves its snapshot."""
+
+
+def node_snapshots(ck: Any) -> list[Snapshot]:
+    """This node's complete snapshots of ``ck``'s job taken by a job of another world size (its slots
+    and the peer replicas it holds), the newest of each (old rank, step); only those of the lineage
+    this attempt continues (as for this world size's own snapshots)."""
+    shm_dir = knobs.get(knobs.SHM_DIR, ck.config.shm_dir)
+    paths: list[str] = []
+    for found in (job_slots(ck.url, ck.config.job_id, shm_dir), job_replicas(ck.url, ck.config.job_id, shm_dir)):
+        for rank_paths in found.values():
+            paths.extend(rank_paths)
+    newest: dict[tuple[int, int, int], Snapshot] = {}
+    for path in sorted(set(paths)):
+        try:
+            with complete_snapshot(path) as found:
+                if found is None:
+                    continue
+                _, header, meta = found
+        except (OSError, CorruptCheckpointError) as exc:
+            logger.debug("skipping %s: %s", path, exc)
+            continue
+        world = int(meta.get("world_size", 0))
+        if world == ck.world_size or "rank" not in meta:
+            continue
+        if not ck.attempt.view().accepts(meta.get("tag"), header.step):  # an attempt this one does not continue
+            logger.info("[RANK %d] the snapshot of old rank %s (step %d) in %s belongs to an attempt this one does "
+                        "not continue; not used", ck.rank, meta["rank"], header.step, path)
+            continue
+        snap = Snapshot(path, int(meta["rank"]), world, header.step, header.seq)
+        key = (snap.world_size, snap.rank, snap.step)
+        if key not in newest or newest[key].seq < snap.seq:
+            newest[key] = snap
+    return sorted(newest.values(), key=lambda s: (s.world_size, s.step, s.rank))
+
+
+def choose(ck: Any, found: list[Snapshot], newest_commit: int | None) -> Choice | None:
+    """The newest step whose every old rank is held by some new rank, not older than ``newest_commit``
+    (collective; the same answer on every rank)."""
+    mine = sorted({(s.world_size, s.step, s.rank) for s in found})
+    views = collectives.all_gather_object([list(t) for t in mine], ck.world_size, ck.process_group)
+    holders: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for new_rank, held in enumerate(views):
+        for world, step, rank in held:
+            holders.setdefault((world, step), {}).setdefault(rank, []).append(new_rank)  # in rank order
+    complete = [(step, world) for (world, step), ranks in holders.items()
+                if set(ranks) >= set(range(world)) and (newest_commit is None or step >= newest_commit)]
+    if not complete:
+        return None
+    step, world = max(complete)
+    by_rank = holders[(world, step)]  # spread over the holders (on one node every new rank holds every old one)
+    return Choice(step, world, {rank: by_rank[rank][rank % len(by_rank[rank])] for rank in range(world)})
+
+
+@dataclass
+class Sources:
+    """The snapshots of the old ranks this rank serves, mapped and verified."""
+
+    choice: Choice
+    slots: dict[int, tuple[Slot, dict[str, Any]]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, ck: Any, choice: Choice, found: list[Snapshot]) -> Sources | None:
+        """Map and verify the snapshots this rank serves (collective); ``None`` on every rank when one
+        of them, on any rank, is gone or fails its checksums (the caller reads storage instead)."""
+        sources, ok = cls(choice), True
+        for snap in found:
+            if (snap.world_size, snap.step) != (choice.world_size, choice.step):
+                continue
+            if choice.owners.get(snap.rank) != ck.rank or snap.rank in sources.slots:
+                continue
+            status = check_slot(snap.path)
+            slot = Slot.attach(snap.path) if status["status"] == "ok" else None
+            header = slot.read_header() if slot is not None else None
+            if header is None or (header.step, header.seq) != (snap.step, snap.seq):
+                logger.warning("[RANK %d] the snapshot of old rank %d (step %d) in %s did not verify (%s); "
+                               "loading from storage", ck.rank, snap.rank, snap.step, snap.path,
+                               status.get("detail") or status["status"])
+                if slot is not None:
+                    slot.close()
+                ok = False
+                break
+            sources.slots[snap.rank] = (slot, slot.read_metadata(header))
+        if not all(collectives.all_gather_object(ok, ck.world_size, ck.process_group)):
+            sources.close()
+            return None
+        return sources
+
+    def snapshot(self, old_rank: int) -> tuple[Slot, dict[str, Any]]:
+        return self.slots[old_rank]
+
+    def close(self) -> None:
+        for slot, _ in self.slots.values():
+            slot.close()
+        self.slots = {}
