@@ -1,27 +1,31 @@
 """An FSDP2 training run for the DCP tests (run under torchrun, 2 ranks, gloo).
 
 ``--steps N``: train up to step N. ``--persist-at``/``--memory-at``: steps to save through the
-flash DCP layer (persisted / memory only). ``--kill-at S``: SIGKILL every rank right after step S.
-``--resume``: load the newest checkpoint first. ``--dump-at``: steps whose full model state rank 0
+flash DCP layer (persisted / memory only); ``--persist-every``/``--snapshot-every``: the same by
+period. ``--kill-at S``: SIGKILL every rank right after step S; ``--pause-at S``: after step S's save,
+touch ``<out>/paused-<rank>`` and wait to be killed. ``--resume``: load the newest checkpoint first
+(``--prefer-storage``: from storage). ``--dump-at``: steps whose full model and optimizer state rank 0
 writes to ``<out>/full-<step>.pt``. ``--checks``: after training, try a load into a mismatched
 model and non-collective save/load calls (rank 0 alone), recording the errors.
-Each rank writes ``<out>/rank-<rank>.json``.
+Each rank writes ``<out>/rank-<rank>.json`` (with ``--storage-factory tests.helpers:CountingStorage``,
+the data bytes its load read from storage).
 """
 
 import argparse
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from flashckpt_integrations import Checkpointer
 from flashckpt_integrations.adapters import dcp as flash_dcp
-from tests.helpers import exit_without_teardown
+from tests.helpers import CountingStorage, exit_without_teardown
 
 
 def build_model(width: int = 32, depth: int = 3) -> nn.Module:
@@ -54,13 +58,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, ra
     optimizer.zero_grad()
 
 
-def full_state(model: nn.Module) -> dict:
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": get_model_state_dict(model, options=options),
+            "optim": get_optimizer_state_dict(model, optimizer, options=options)}
 
 
-def dump(model: nn.Module, out: str, step: int, steps: list[int], rank: int) -> None:
+def dump(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, step: int, steps: list[int], rank: int) -> None:
     if step in steps:
-        full = full_state(model)
+        full = full_state(model, optimizer)
         if rank == 0:
             torch.save(full, os.path.join(out, f"full-{step}.pt"))
 
@@ -73,40 +79,62 @@ def main() -> None:
     parser.add_argument("--persist-at", type=int, nargs="*", default=[])
     parser.add_argument("--memory-at", type=int, nargs="*", default=[])
     parser.add_argument("--dump-at", type=int, nargs="*", default=[])
+    parser.add_argument("--persist-every", type=int, default=0)
+    parser.add_argument("--snapshot-every", type=int, default=0)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--pause-at", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--prefer-storage", action="store_true")
+    parser.add_argument("--replicas", type=int, default=0)
+    parser.add_argument("--storage-factory", default=None)
     parser.add_argument("--checks", action="store_true")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    record: dict = {"rank": rank, "events": []}
     model = shard(build_model())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optimizer": optimizer}
-    ck = Checkpointer(args.ckpt, flash_dcp.checkpointer_config(commit_timeout_s=120))
+    ck = Checkpointer(args.ckpt, flash_dcp.checkpointer_config(commit_timeout_s=120), replicas=args.replicas,
+                      storage_factory=args.storage_factory)
+    record: dict = {"rank": rank, "pid": os.getpid(), "run_dir": ck.run_dir, "events": []}
+    path = os.path.join(args.out, f"rank-{rank}.json")
+
+    def flush() -> None:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+
     start = 0
     if args.resume:
-        loaded = flash_dcp.load(ck, state)
+        loaded = flash_dcp.load(ck, state, prefer_memory=not args.prefer_storage)
         record["events"].append({"load": loaded.step, "source": loaded.source})
+        if args.storage_factory == "tests.helpers:CountingStorage":
+            record["events"][-1]["storage_bytes"] = sum(CountingStorage.data_bytes.values())
         start = loaded.step
-        dump(model, args.out, start, args.dump_at, rank)
+        dump(model, optimizer, args.out, start, args.dump_at, rank)
     for step in range(start + 1, args.steps + 1):
         train_step(model, optimizer, step, rank)
-        dump(model, args.out, step, args.dump_at, rank)
-        if step in args.persist_at or step in args.memory_at:
-            result = flash_dcp.save(ck, step, state, persist=step in args.persist_at)
+        dump(model, optimizer, args.out, step, args.dump_at, rank)
+        persist = step in args.persist_at or bool(args.persist_every and step % args.persist_every == 0)
+        if persist or step in args.memory_at or bool(args.snapshot_every and step % args.snapshot_every == 0):
+            result = flash_dcp.save(ck, step, state, persist=persist)
             record["events"].append({"save": step, "status": result.status.value})
-            if step in args.persist_at:
+            if persist:
                 record["events"][-1]["committed"] = result.wait().committed
         if step == args.kill_at:
             dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.pause_at:
+            flush()
+            open(os.path.join(args.out, f"paused-{rank}"), "w").close()
+            while True:
+                time.sleep(1)
     if args.checks:
         record["events"].append(checks(ck, rank))
     ck.wait()
     ck.close()
-    with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
-        json.dump(record, f)
+    flush()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,7 +8,7 @@ import torch
 from flashckpt_integrations.core.client import job_key
 from tests.dcp.launch import python, torchrun
 from tests.distributed.launch import records
-from tests.helpers import complete_slots, flip_slot_byte
+from tests.helpers import assert_same, complete_slots, flip_slot_byte
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +26,7 @@ model = nn.Sequential(*layers, nn.Linear(32, 1))
 state = {"model": model.state_dict()}
 dcp.load(state, checkpoint_id=sys.argv[1])  # one process, no process group: the stock reader
 assert "flashckpt_integrations" not in sys.modules
-reference = torch.load(sys.argv[2])
+reference = torch.load(sys.argv[2])["model"]
 assert list(state["model"]) == list(reference)
 for key, value in reference.items():
     assert torch.equal(state["model"][key], value), key
@@ -37,12 +37,6 @@ print(sorted(k for k in metadata.state_dict_metadata if k.startswith("model.")))
 
 def _full(path):
     return torch.load(path, weights_only=True)
-
-
-def _assert_equal(a, b):
-    assert list(a) == list(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 def test_fsdp2_memory_resume_storage_resume_and_stock_load(tmp_path):
@@ -66,7 +60,7 @@ def test_fsdp2_memory_resume_storage_resume_and_stock_load(tmp_path):
     for rec in records(resume):
         assert rec["events"][0] == {"load": 4, "source": "memory"}
         assert rec["events"][1] == {"save": 6, "status": "persisting", "committed": True}
-    _assert_equal(_full(resume / "full-6.pt"), _full(ref / "full-6.pt"))
+    assert_same(_full(resume / "full-6.pt"), _full(ref / "full-6.pt"))
 
     # bad input: a mismatched model names the keys; a call made by one rank fails fast
     checks = [rec["events"][2] for rec in records(resume)]
@@ -81,7 +75,7 @@ def test_fsdp2_memory_resume_storage_resume_and_stock_load(tmp_path):
     run = torchrun("fsdp_train.py", "--ckpt", ckpt, "--out", again, "--steps", 6, "--resume", "--dump-at", 6)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [rec["events"][0] for rec in records(again)] == [{"load": 6, "source": "storage"}] * 2
-    _assert_equal(_full(again / "full-6.pt"), _full(ref / "full-6.pt"))
+    assert_same(_full(again / "full-6.pt"), _full(ref / "full-6.pt"))
 
     # a stray write in rank 1's snapshot of step 4: both ranks resume from the verified snapshot of step 2
     # (as new as the newest commit), never from the bad bytes, and train on to the same state
@@ -98,10 +92,10 @@ def test_fsdp2_memory_resume_storage_resume_and_stock_load(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert [rec["events"][0] for rec in records(resume2)] == [{"load": 2, "source": "memory"}] * 2
     assert "the snapshot of step 4 in memory failed verification" in run.stderr
-    _assert_equal(_full(resume2 / "full-6.pt"), _full(ref / "full-6.pt"))
+    assert_same(_full(resume2 / "full-6.pt"), _full(ref / "full-6.pt"))
 
     # stock torch.distributed.checkpoint.load, in a process that never imports this package
     for step in (2, 6):
         out = python(STOCK_LOAD, ckpt / f"step-{step}", ref / f"full-{step}.pt")
         assert out.returncode == 0, out.stderr[-3000:]
-        assert out.stdout.strip() == str(sorted(f"model.{k}" for k in _full(ref / "full-2.pt")))
+        assert out.stdout.strip() == str(sorted(f"model.{k}" for k in _full(ref / "full-2.pt")["model"]))

@@ -22,7 +22,8 @@ import torch
 
 from flashckpt_integrations.core.client import job_key, private_dir, run_dir_for
 from tests.distributed.launch import HERE, env, free_port, torchrun_cmd
-from tests.distributed.test_replica_restore import assert_like_uninterrupted, kill_node, wait_for
+from tests.distributed.nodes import kill_node, wait_for
+from tests.distributed.test_replica_restore import assert_like_uninterrupted
 from tests.helpers import kill_savers, saver_pids
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.distributed.launch import HERE, env, free_port, torchrun_cmd
-from tests.distributed.test_replica_restore import assert_like_uninterrupted, wait_for
+from tests.distributed.nodes import wait_for
+from tests.distributed.test_replica_restore import assert_like_uninterrupted
 from tests.helpers import kill_savers, saver_pids
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

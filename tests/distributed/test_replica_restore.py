@@ -18,18 +18,17 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
 from flashckpt_integrations import cli
 from flashckpt_integrations.core.client import job_key, private_dir, run_dir_for
-from flashckpt_integrations.core.replication import STATUS_FILE, list_replicas
+from flashckpt_integrations.core.replication import STATUS_FILE
 from flashckpt_integrations.core.shm_buffer import Slot, SlotState
 from tests.distributed.launch import HERE, env, free_port, torchrun_cmd
+from tests.distributed.nodes import holds, kill_node, wait_for
 from tests.distributed.replica_worker import reference
 from tests.helpers import complete_slots, flip_slot_byte, kill_savers, saver_pids
 
@@ -63,26 +62,6 @@ def ranks(out) -> list[dict]:
     return result
 
 
-def wait_for(condition, what: str, procs, timeout: float = 150.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        for proc in procs:
-            if proc.poll() is not None:
-                raise AssertionError(f"a node exited while waiting for {what}: {proc.communicate()[0][-3000:]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def holds(shm: str, job: str, node: int, *, own: bool = False) -> dict[int, set[int]]:
-    """The steps of each rank that node ``node`` holds in its store: its peers' replicas, or
-    (``own``) the kept copies of its own ranks."""
-    found: dict[int, set[int]] = {}
-    for replica in list_replicas(shm, job):
-        if (replica.from_node == node) == own:
-            found.setdefault(replica.rank, set()).add(replica.step)
-    return found
-
-
 def local_steps(shm: str, job: str, rank: int) -> set[int]:
     """The steps in rank ``rank``'s own slots."""
     steps = set()
@@ -104,14 +83,6 @@ def assert_like_uninterrupted(out, steps: int, world: int, width: int = 32) -> N
         final = torch.load(os.path.join(out, f"final-{rank}.pt"))
         for name, value in expected.items():
             assert torch.equal(final[name], value), f"rank {rank} {name} differs from the uninterrupted run"
-
-
-def kill_node(node_ranks: list[dict], proc: subprocess.Popen) -> None:
-    for rec in node_ranks:
-        os.kill(rec["pid"], signal.SIGKILL)  # workers run in sessions of their own
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
-    kill_savers(node_ranks[0]["run_dir"])
 
 
 def sent_to(run_dir: str, rank: int, node: int) -> dict:
