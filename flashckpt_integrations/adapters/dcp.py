@@ -31,8 +31,11 @@ Values of the state may be ``nn.Module`` and ``torch.optim.Optimizer`` (wrapped 
 With pipeline parallelism each rank passes its stage module(s): keys are the original model's FQNs,
 so a checkpoint loads into another pipeline layout.
 
-Loading from memory needs the same number of ranks; items held by another rank's slot (replicated
-values, which DCP saves once) are sent over the process group. Loading from storage reshards freely;
+Loading from memory serves the same number of ranks from their own slots, and another number of
+ranks (a job restarted on fewer or more nodes) from the old ranks' snapshots left in the new job's
+memory, their slots and peer replicas (:mod:`..core.reshard`); items held by another rank's slot
+(replicated values, which DCP saves once, or an old rank another rank serves) are sent over the
+process group. Loading from storage reshards freely;
 it reads each ``.distcp`` file once (``_dcp_storage.CommittedReader``), verifies every file a rank
 reads whole against its rank marker, and on a mismatch every rank loads the next older commit.
 """
@@ -390,37 +393,57 @@ def load(
     planner: Any = None,
     strict: bool = True,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    sources: reshard.Sources | None = None,
 ) -> DcpLoadResult | None:
     """Load the newest DCP checkpoint (or ``step``) into ``state`` in place (collective).
 
     ``None`` when there is no checkpoint. With ``strict`` a key of ``state`` missing from the
     checkpoint, or a tensor of another shape, raises :class:`LayoutMismatchError` listing them all.
+    When this job's own memory holds no step at least as new as the newest commit, the snapshots
+    that a job of another number of ranks left in the new job's memory serve the newest step they
+    all hold (:mod:`..core.reshard`), before storage. ``sources``: those snapshots, opened by the
+    caller (``reshard.open_sources``) to read several folders of one step; the caller closes them.
     """
     ck = checkpointer
     group = ck.process_group
     check_in("load", group, timeout_s)
+    if sources is not None:  # the caller's choice, for every folder of the step
+        return _load_step(ck, as_stateful(state), (sources.choice.step, "memory"), explicit=True, folder=folder,
+                          planner=_planner(planner, strict), strict=strict, sources=sources)
     chosen = resolve_step(ck, step, prefer_memory=prefer_memory)
-    if chosen is None and prefer_memory and step is None:
-        chosen = (-1, "storage")  # nothing committed: only memory of another number of ranks can serve
+    if prefer_memory and step is None and (chosen is None or chosen[1] == "storage"):
+        # no step in this job's own memory: the old ranks' snapshots of a job of another number of ranks
+        sources = reshard.open_sources(ck, None if chosen is None else chosen[0])
+        if sources is not None:
+            chosen = (sources.choice.step, "memory")
     if chosen is None:
         return None
-    explicit = step is not None
-    step, source = chosen
-    sources = _resharding(ck, step if source == "storage" else None) if prefer_memory and source == "storage" \
-        and not explicit else None
-    if sources is not None:
-        step, source = sources.choice.step, "memory"
-    started = time.perf_counter()
-    stateful = as_stateful(state)
+    try:
+        return _load_step(ck, as_stateful(state), chosen, explicit=step is not None, folder=folder,
+                          planner=_planner(planner, strict), strict=strict, sources=sources)
+    finally:
+        if sources is not None:
+            sources.close()
+
+
+def _planner(planner: Any, strict: bool) -> Any:
     if planner is None and not strict:
-        planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
+        return dcp.DefaultLoadPlanner(allow_partial_load=True)
+    return planner
+
+
+def _load_step(ck: Checkpointer, stateful: dict[str, Any], chosen: tuple[int, str], *, explicit: bool, folder: str,
+               planner: Any, strict: bool, sources: reshard.Sources | None) -> DcpLoadResult:
+    """Read ``chosen`` (step, source) into ``stateful`` (collective); a committed step that fails
+    verification gives way to the next older one, unless the step was asked for."""
+    group = ck.process_group
+    step, source = chosen
+    started = time.perf_counter()
     fallbacks: list[str] = []
     while True:
         if source == "memory":  # read by DCP's loader from the slots, not by Checkpointer.load
             declare_resume(ck, step, source)
             reader: StorageReader = MemoryReader(ck, step, folder, sources)
-        elif step < 0:
-            return None
         else:
             reader = _storage_reader(ck, step, folder)
         _validate(stateful, reader.read_metadata(), strict, group, ck.world_size)
@@ -434,21 +457,12 @@ def load(
             continue
         break
     if sources is not None:
-        sources.close()
         logger.warning("[RANK %d] resharded step %d from the memory of a job of %d ranks onto %d ranks",
                        ck.rank, step, sources.choice.world_size, ck.world_size)
     if source == "storage":  # once the files verified: an attempt continues what it loaded
         declare_resume(ck, step, source)
     logger.info("[RANK %d] loaded DCP step %d from %s in %.3fs", ck.rank, step, source, time.perf_counter() - started)
     return DcpLoadResult(step, source, fallbacks)
-
-
-def _resharding(ck: Checkpointer, newest_commit: int | None) -> reshard.Sources | None:
-    """The old ranks' snapshots to reshard from, when this node's memory holds a step of a job of another
-    number of ranks that is at least as new as ``newest_commit`` (collective); else None."""
-    found = reshard.node_snapshots(ck)
-    choice = reshard.choose(ck, found, newest_commit)
-    return None if choice is None else reshard.Sources.open(ck, choice, found)
 
 
 def _failed_verification(ck: Checkpointer, exc: CheckpointException, step: int) -> str:

@@ -7,9 +7,10 @@ items) can be read from them onto the new ranks, without reading storage.
 
 Call order::
 
-    found = node_snapshots(ck)                  # this node's complete snapshots of the job (other world sizes)
-    choice = choose(ck, found, newest_commit)   # collective: the step, the old world size, who serves which old rank
-    sources = Sources.open(ck, choice, found)   # collective: maps and verifies the old ranks this rank serves
+    sources = open_sources(ck, newest_commit)   # collective; None when memory cannot serve a step
+        found = node_snapshots(ck)                  # this node's complete snapshots of the job (other world sizes)
+        choice = choose(ck, found, newest_commit)   # collective: the step, the old world size, who serves which
+        Sources.open(ck, choice, found)             # collective: maps and verifies the old ranks this rank serves
     sources.snapshot(old_rank)                  # (slot, metadata) of one of them
     sources.close()
 
@@ -54,6 +55,15 @@ class Choice:
     """The old job's number of ranks."""
     owners: dict[int, int]
     """Old rank -> the new rank that serves its snapshot."""
+
+
+def open_sources(ck: Any, newest_commit: int | None) -> Sources | None:
+    """The old ranks' snapshots to reshard from, when the new job's memory holds every old rank's
+    snapshot of a step of a job of another number of ranks, at least as new as ``newest_commit``
+    (collective; the same answer on every rank); else None."""
+    found = node_snapshots(ck)
+    choice = choose(ck, found, newest_commit)
+    return None if choice is None else Sources.open(ck, choice, found)
 
 
 def node_snapshots(ck: Any) -> list[Snapshot]:
