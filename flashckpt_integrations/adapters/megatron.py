@@ -37,7 +37,12 @@ flash.close()                                        # storage every 100; close(
   it is at least as new as the newest commit and was saved in the same format with the same
   parallel sizes: ``torch_dist`` shards are read by a ``dist_checkpointing.load`` strategy
   straight from the slots (and from other ranks' slots, for the shards they saved); ``torch``
-  files that only another rank's slot holds are sent over a gloo group. Else Megatron's own code
+  files that only another rank's slot holds are sent over a gloo group. A ``torch_dist`` job
+  relaunched with another number of ranks on the same nodes (fewer data-parallel ranks after a
+  lost node, say) reads the newest iteration that the old job's ranks all left in the nodes'
+  memory (their slots and peer replicas, :mod:`..core.reshard`), when it is at least as new as
+  the newest commit: Megatron's own load code reshards it as it reshards a commit, and the old
+  ranks' shards reach the new ranks from the ranks that hold them. Else Megatron's own code
   loads the newest commit from storage: a ``torch_dist`` one with any tensor, pipeline, data or
   expert parallel sizes; a ``torch`` one saved with other sizes fails up front with the sizes that
   differ.
@@ -68,6 +73,7 @@ from typing import Any
 import torch
 
 from ..config import CheckpointerConfig
+from ..core import collectives, reshard
 from ..core.checkpointer import Checkpointer
 from ..core.layout import Layout
 from ..core.results import PersistResult, SaveResult
@@ -324,8 +330,11 @@ class MegatronFlash:
             self._warn(reason)
             return original(*args, **kwargs)
         ck = self.checkpointer(load_dir)
-        step = self._memory_step(ck, _snapshot_kind(margs))
-        if step is None:
+        kind = _snapshot_kind(margs)
+        step, sources = self._memory_step(ck, kind), None
+        if step is None and margs.ckpt_format == "torch_dist":  # a job of another size may have left a newer one
+            sources = _resharding_sources(ck, kind)
+        if step is None and sources is None:
             if margs.ckpt_format == "torch":  # torch_dist checkpoints reshard on load
                 _check_storage_layout(margs, load_dir)
             result = original(*args, **kwargs)
@@ -334,11 +343,26 @@ class MegatronFlash:
             if iteration and margs.save and os.path.abspath(margs.save) == os.path.abspath(load_dir):
                 declare_resume(ck, int(iteration))  # Megatron's own loader read it: saves continue its lineage
             return result
-        serving = self._serving_dist if margs.ckpt_format == "torch_dist" else self._serving
-        with serving(ck, step, load_dir, call.arguments.get("checkpointing_context")):
-            result = original(*args, **kwargs)
+        context = call.arguments.get("checkpointing_context")
+        try:
+            if sources is not None:
+                step = sources.choice.step
+                with self._serving_dist(ck, step, load_dir, context, sources=sources):
+                    result = original(*args, **kwargs)
+            else:
+                serving = self._serving_dist if margs.ckpt_format == "torch_dist" else self._serving
+                with serving(ck, step, load_dir, context):
+                    result = original(*args, **kwargs)
+        finally:
+            if sources is not None:
+                sources.close()
         self.last_load = (step, "memory")
-        logger.warning("[RANK %d] flashckpt: resumed iteration %d from shared memory", ck.rank, step)
+        if sources is None:
+            logger.warning("[RANK %d] flashckpt: resumed iteration %d from shared memory", ck.rank, step)
+        else:
+            logger.warning("[RANK %d] flashckpt: resumed iteration %d from the shared memory of a job of %d ranks, "
+                           "resharded onto %d ranks (%s)", ck.rank, step, sources.choice.world_size, ck.world_size,
+                           _sizes_text(kind))
         return result
 
     def _memory_step(self, ck: Checkpointer, sizes: dict[str, Any]) -> int | None:
@@ -390,21 +414,33 @@ class MegatronFlash:
             shutil.rmtree(scratch, ignore_errors=True)
 
     @contextlib.contextmanager
-    def _serving_dist(self, ck: Checkpointer, step: int, load_dir: str, context: Any = None) -> Iterator[None]:
+    def _serving_dist(self, ck: Checkpointer, step: int, load_dir: str, context: Any = None,
+                      sources: reshard.Sources | None = None) -> Iterator[None]:
         """Let Megatron's stock load code read ``torch_dist`` iteration ``step`` from the ranks' memory snapshots.
 
-        Megatron finds a stand-in folder with the tracker and ``metadata.json``; the common state and
-        the shards come from a :class:`~.megatron_core.SnapshotReader` (collective), through
+        Megatron finds a stand-in folder with the tracker and rank 0's small files
+        (``metadata.json``); the common state and the shards come from a
+        :class:`~.megatron_core.SnapshotReader` (collective), through
         :class:`~.megatron_core.FlashTorchDistLoadShardedStrategy` in place of Megatron's strategy.
+        ``sources``: the snapshots of a job of another number of ranks to read instead of this
+        job's own (Megatron reshards them as it reshards a checkpoint on storage).
         """
         declare_resume(ck, step, "memory")  # read here, not by ck.load(): saves continue its lineage
-        reader = _dist.SnapshotReader(ck, step)
+        reader = _dist.SnapshotReader(ck, step, sources)
+        if reader.elsewhere and ck.rank == 0:
+            logger.warning("[RANK %d] flashckpt: iteration %d is resumed from memory without the files %s, which "
+                           "only other ranks' snapshots hold (Megatron's load does not read them; they are in the "
+                           "iteration's folder only once it is committed to storage)", ck.rank, step,
+                           ", ".join(reader.elsewhere))
         step_dir = os.path.join(ck.url, LAYOUT.step_path(step))
         scratch = tempfile.mkdtemp(prefix="flashckpt-megatron-")
         stand_in = os.path.join(scratch, LAYOUT.step_path(step))
         os.makedirs(stand_in)
-        with open(os.path.join(stand_in, _dist.CONFIG_FILE), "wb") as f:
-            f.write(reader.config)
+        for rel, data in reader.files.items():
+            path = os.path.join(stand_in, *rel.split("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
         tracker = os.path.join(scratch, TRACKER)
         with open(tracker, "w") as f:
             f.write(str(step))
@@ -574,6 +610,38 @@ def _parallel_sizes(margs: Any) -> dict[str, int]:
 def _snapshot_kind(margs: Any) -> dict[str, Any]:
     """What a memory snapshot records about its save, and what a load from it must match."""
     return {**_parallel_sizes(margs), "format": margs.ckpt_format}
+
+
+def _sizes_text(kind: Mapping[str, Any]) -> str:
+    return ", ".join(f"{name} {kind[name]}" for name in ("tp", "pp", "ep", "cp", "dp") if name in kind)
+
+
+def _resharding_sources(ck: Checkpointer, kind: Mapping[str, Any]) -> reshard.Sources | None:
+    """The ``torch_dist`` snapshots that a job of another number of ranks left in this node's memory,
+    of an iteration at least as new as the newest commit (collective; the same answer on every
+    rank), or None. Megatron's load reshards them as it reshards a commit (any tensor, pipeline,
+    data and expert parallel sizes); a ``torch`` (legacy) snapshot cannot be, and storage is read."""
+    committed = ck.committed_steps()
+    newest_commit = collectives.all_gather_object(committed[-1] if committed else None, ck.world_size,
+                                                  ck.process_group)[0]  # rank 0's view, the same on every rank
+    sources = reshard.open_sources(ck, newest_commit)
+    if sources is None:
+        return None
+    served = [[old, (meta.get("user") or {}).get("megatron")] for old, (_, meta) in sources.slots.items()]
+    saved = dict(entry for view in collectives.all_gather_object(served, ck.world_size, ck.process_group)
+                 for entry in view)
+    formats = {(kind_of or {}).get("format") for kind_of in saved.values()}
+    if formats != {"torch_dist"}:
+        logger.warning("[RANK %d] flashckpt: iteration %d is in memory from a job of %d ranks saved with "
+                       "--ckpt-format %s, which cannot be resharded onto %d ranks; loading from storage", ck.rank,
+                       sources.choice.step, sources.choice.world_size, "/".join(sorted(map(str, formats))),
+                       ck.world_size)
+        sources.close()
+        return None
+    logger.info("[RANK %d] flashckpt: resharding iteration %d from the memory of a job of %d ranks (%s) onto %d "
+                "ranks (%s)", ck.rank, sources.choice.step, sources.choice.world_size, _sizes_text(saved[0]),
+                ck.world_size, _sizes_text(kind))
+    return sources
 
 
 def _needed_files(margs: Any, root: str, step: int) -> list[str]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import logging
 import os
 import pickle
@@ -52,6 +53,7 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 
 from ..config import CheckpointerConfig
+from ..core import collectives, reshard
 from ..core.checkpointer import Checkpointer
 from ..core.codecs import decode_from_slot, parts_layout
 from ..core.layout import Layout
@@ -332,19 +334,62 @@ class PlanningSaveStrategy(TorchDistSaveShardedStrategy):
 class SnapshotReader(flash_dcp.MemoryReader):
     """A DCP storage reader over the ranks' memory snapshots of one ``torch_dist`` checkpoint.
 
-    Collective to make (rank 0's ``.metadata`` and ``metadata.json`` go to every rank). Reading is
+    Collective to make (rank 0's ``.metadata`` and small files go to every rank). Reading is
     collective too: each rank reads its own shards from its slot, and the shards that another rank
     saved (its main replicas, as ``--ckpt-fully-parallel-save`` spreads them) are sent by their owner.
+
+    ``sources``: the snapshots that a job of another number of ranks left in memory
+    (:func:`..core.reshard.open_sources`); each rank then serves the old ranks it was given, and
+    the small files come from old rank 0's snapshot (sent by the rank that serves it).
+
+    ``files``: the small files of (old) rank 0's snapshot, the ones that are neither shards nor
+    ``.metadata`` (``metadata.json``, ``common.pt`` of older megatron-core), by path in the
+    checkpoint folder. ``config``: its ``metadata.json``. ``elsewhere``: the small files that only
+    other (old) ranks' snapshots hold (a reader of the checkpoint folder finds them only on storage).
     """
 
-    def __init__(self, checkpointer: Checkpointer, step: int) -> None:
-        super().__init__(checkpointer, step, "")
-        slot, meta = checkpointer.memory_snapshots()[step]
-        config = next((decode_from_slot(slot, meta["regions"], f) for f in meta["files"]
-                       if f["path"] == CONFIG_FILE), None)
-        self.config: bytes | None = broadcast_bytes(config, checkpointer)
+    def __init__(self, checkpointer: Checkpointer, step: int, sources: reshard.Sources | None = None) -> None:
+        super().__init__(checkpointer, step, "", sources)
+        if sources is None:
+            served, first = {checkpointer.rank: checkpointer.memory_snapshots()[step]}, 0
+        else:
+            served, first = sources.slots, sources.choice.owners[0]
+        names = {old: _small_files(meta) for old, (_, meta) in served.items()}
+        packed = None
+        if 0 in served:
+            slot, meta = served[0]
+            packed = _pack({f["path"]: bytes(decode_from_slot(slot, meta["regions"], f)) for f in names[0]})
+        self.files: dict[str, bytes] = _unpack(broadcast_bytes(packed, checkpointer, src=first))
+        views = collectives.all_gather_object(sorted({f["path"] for old, found in names.items() if old != 0
+                                                      for f in found}), checkpointer.world_size,
+                                              checkpointer.process_group)
+        self.elsewhere: list[str] = sorted({path for view in views for path in view} - set(self.files))
+        self.config: bytes | None = self.files.get(CONFIG_FILE)
         if self.config is None:
             raise CheckpointNotFoundError(f"the memory snapshot of step {step} holds no {CONFIG_FILE}")
+
+
+def _small_files(meta: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The files of a snapshot that are neither shards (``__<rank>_0.distcp``) nor ``.metadata``."""
+    return [f for f in meta["files"] if f["path"] != flash_dcp.METADATA_FILE
+            and _FILE_RANK.fullmatch(os.path.basename(f["path"])) is None and f["codec"] == Codec.BYTES.value]
+
+
+def _pack(files: Mapping[str, bytes]) -> bytes:
+    """Files as one buffer: a JSON index (path, length) and then the bytes, for one broadcast."""
+    index = json.dumps([[path, len(data)] for path, data in files.items()]).encode()
+    return len(index).to_bytes(8, "little") + index + b"".join(files.values())
+
+
+def _unpack(packed: bytes | None) -> dict[str, bytes]:
+    if packed is None:
+        return {}
+    size = int.from_bytes(packed[:8], "little")
+    position, files = 8 + size, {}
+    for path, length in json.loads(packed[8:position]):
+        files[path] = packed[position:position + length]
+        position += length
+    return files
 
 
 class FlashTorchDistLoadShardedStrategy(TorchDistLoadShardedStrategy):

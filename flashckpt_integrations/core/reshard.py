@@ -99,6 +99,14 @@ def node_snapshots(ck: Any) -> list[Snapshot]:
     return sorted(newest.values(), key=lambda s: (s.world_size, s.step, s.rank))
 
 
+def newest_elsewhere(ck: Any) -> tuple[int, int] | None:
+    """``(step, old world size)`` of the newest snapshot that a job of another number of ranks left
+    in the memory of any of the new job's nodes (collective; the same answer on every rank)."""
+    mine = max(((s.step, s.world_size) for s in node_snapshots(ck)), default=None)
+    views = collectives.all_gather_object(mine, ck.world_size, ck.process_group)
+    return max((tuple(v) for v in views if v is not None), default=None)
+
+
 def choose(ck: Any, found: list[Snapshot], newest_commit: int | None) -> Choice | None:
     """The newest step whose every old rank is held by some new rank, not older than ``newest_commit``
     (collective; the same answer on every rank)."""

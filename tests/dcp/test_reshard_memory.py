@@ -19,6 +19,7 @@ from flashckpt_integrations import cli
 from flashckpt_integrations.core.client import job_key, private_dir, run_dir_for
 from tests.dcp.launch import HERE, torchrun
 from tests.distributed.launch import records
+from tests.distributed.launch import run as run_worker
 from tests.distributed.nodes import holds, kill_node, launch_nodes, wait_for
 from tests.helpers import assert_same, kill_savers
 
@@ -91,3 +92,16 @@ def test_fsdp2_state_restores_onto_more_ranks_from_memory(tmp_path):
     assert run.returncode == 0, run.stderr[-5000:]
     assert _loads(second, 4) == [{"load": 4, "source": "memory", "storage_bytes": 0}] * 4
     assert_same(_full(second / "full-4.pt"), _full(first / "full-4.pt"))
+
+
+def test_engine_api_state_of_another_number_of_ranks_is_refused_by_name(tmp_path):
+    """A state saved one file per rank (``Checkpointer.save``) cannot be spread over another number of
+    ranks: the load says so and names the way out, rather than silently starting from an older commit."""
+    ckpt = tmp_path / "ckpt"
+    run = run_worker(ckpt, tmp_path / "first", "save:2:persist,wait,save:4:memory,barrier,kill:0,kill:1")
+    assert run.returncode != 0 and (tmp_path / "first" / "rank-1.json").exists(), run.stderr[-3000:]
+    run = run_worker(ckpt, tmp_path / "second", "load", nproc=1)
+    assert run.returncode != 0
+    assert "step 4 is in the memory of this job's nodes, saved by a job of 2 ranks; this job has 1" in run.stderr
+    assert "flashckpt_integrations.adapters.dcp" in run.stderr, run.stderr[-3000:]
+    assert "load(prefer_memory=False) loads the newest commit, step 2, instead" in run.stderr

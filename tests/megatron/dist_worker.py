@@ -56,7 +56,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def argv(layout: str, ckpt: str) -> list[str]:
     # the distributed-optimizer job also loads through Megatron's fully-parallel load wrapper
-    extra = ["--ckpt-fully-parallel-load"] if layout == "dp2" else []
+    extra = ["--ckpt-fully-parallel-load"] if layout in ("dp2", "distopt") else []
     return [*tiny.megatron_argv(layout, ckpt, ckpt_format="torch_dist"), *extra]
 
 
@@ -145,6 +145,57 @@ def killpersist(layout: str, ckpt: str, record: dict) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def reshard_crash(layout: str, ckpt: str, record: dict) -> None:
+    """4 ranks: iterations 1-3, each saved; 2 persisted, 3 in memory only. Then the kill (main)."""
+    from flashckpt_integrations.adapters import megatron as flash_megatron
+
+    flash = flash_megatron.patch(persist_interval=2)
+    try:
+        model, optimizer, scheduler = tiny.build(seed=7)
+        tiny.train(model, optimizer, scheduler, 1, 3, save_every(model, optimizer, scheduler))
+        outcome = flash.wait()  # iteration 2 is committed; 3 is in memory only
+        record["committed"] = [outcome.step, outcome.committed, outcome.error]
+        record["status"] = flash.last_save.status.value
+        record.update(reshard_state(layout, model, optimizer))
+    finally:
+        flash_megatron.unpatch(close=False)  # the memory must outlive this process
+        KEEP.append(flash)
+
+
+def reshard_resume(layout: str, ckpt: str, record: dict) -> None:
+    """2 ranks after ``reshard_crash``: load (from the 4 ranks' memory), one iteration, a persisted save."""
+    from flashckpt_integrations.adapters import megatron as flash_megatron
+
+    flash = flash_megatron.patch(persist_interval=2)
+    try:
+        model, optimizer, scheduler = tiny.build(seed=99)
+        started = time.perf_counter()
+        iteration, flops = checkpointing.load_checkpoint(model, optimizer, scheduler)
+        record["load_s"] = time.perf_counter() - started
+        record["loaded_iteration"], record["loaded_flops"] = iteration, flops
+        record["source"] = flash.last_load
+        record.update(reshard_state(layout, model, optimizer))
+        tiny.train(model, optimizer, scheduler, iteration + 1, iteration + 1)
+        checkpointing.save_checkpoint(iteration + 1, model, optimizer, scheduler, 100 * (iteration + 1))
+        outcome = flash.wait()
+        record["committed"] = [outcome.step, outcome.committed, outcome.error]
+        record["committed_steps"] = flash.checkpointer(get_args().save).committed_steps()
+    finally:
+        flash_megatron.unpatch()
+
+
+def reshard_state(layout: str, model, optimizer) -> dict:
+    """What a resume onto another data-parallel size must restore, in a form that does not depend on it."""
+    args = get_args()
+    distributed = args.use_distributed_optimizer
+    state = {"global": tiny.global_digest(model, None if distributed else optimizer),
+             "consumed_train_samples": args.consumed_train_samples, "data_parallel_size": args.data_parallel_size,
+             "rng": tiny.rng_digest()}
+    if distributed:
+        state["optimizer_global"] = tiny.distributed_optimizer_digest(model, optimizer)
+    return state
+
+
 def stock(job: str, record: dict) -> None:
     name, saved, loaded = job.split(":")
     record["flashckpt_imported"] = sorted(m for m in sys.modules if m.startswith("flashckpt_integrations"))
@@ -184,7 +235,8 @@ def guarded(run, record: dict, *args) -> None:
 def main() -> int:
     global OUT
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("crash", "resume", "stock"), required=True)
+    parser.add_argument("--mode", choices=("crash", "resume", "stock", "reshard-crash", "reshard-resume"),
+                        required=True)
     parser.add_argument("--base", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--layouts", default="")
@@ -198,14 +250,15 @@ def main() -> int:
             tiny.start(argv(loaded, os.path.join(opts.base, name)))
             guarded(stock, records.setdefault(job, {}), job)
     else:
+        modes = {"crash": crash, "resume": resume, "reshard-crash": reshard_crash, "reshard-resume": reshard_resume}
         for item in opts.layouts.split(","):
-            run = killpersist if item == "killpersist" else {"crash": crash, "resume": resume}[opts.mode]
+            run = killpersist if item == "killpersist" else modes[opts.mode]
             layout = "tp2" if item == "killpersist" else item
             tiny.start(argv(layout, os.path.join(opts.base, item)))
             guarded(run, records.setdefault(item, {}), layout, os.path.join(opts.base, item))
     write_record(opts.mode, records)
     torch.distributed.barrier()
-    if opts.mode == "crash":
+    if opts.mode in ("crash", "reshard-crash"):
         os.kill(os.getpid(), signal.SIGKILL)
     sys.stdout.flush()
     os._exit(0)

@@ -49,6 +49,8 @@ LAYOUTS = {
     "pp1": [],
     "dp2": ["--use-distributed-optimizer"],
     "dp2plain": [],
+    "dp": [],  # data parallel over every rank, plain optimizer
+    "distopt": ["--use-distributed-optimizer"],  # the same with the distributed optimizer
     "ep2": ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
             "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"],
 }
@@ -221,6 +223,14 @@ def global_digest(model, optimizer=None) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def rng_digest() -> dict[str, str]:
+    """Checksums of this rank's RNG states that a checkpoint holds: torch's and the model-parallel tracker's."""
+    from megatron.core import tensor_parallel
+
+    states = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return {"torch": _hash(torch.get_rng_state()), **{k: _hash(v) for k, v in sorted(states.items())}}
+
+
 def _gather_tp(param, tensor):
     if not getattr(param, "tensor_model_parallel", False) or mpu.get_tensor_model_parallel_world_size() == 1:
         return tensor
@@ -231,3 +241,27 @@ def _gather_tp(param, tensor):
 
 def _hash(t: torch.Tensor) -> str:
     return hashlib.sha1(t.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def distributed_optimizer_digest(model, optimizer) -> dict[str, str]:
+    """A checksum per parameter of the distributed optimizer's Adam moments, whatever the
+    data-parallel split: each rank's flattened range of a parameter gathered into the whole
+    (flattened) tensor. Tensor and pipeline parallel size 1 only. Collective; every rank returns
+    the same dict."""
+    names = {id(p): f"model{i}.{n}" for i, m in enumerate(model) for n, p in unwrap_model(m).named_parameters()}
+    mine = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for model_group, shard_group in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
+            for param, shard in zip(model_group, shard_group):
+                gbuf, dtype, bucket = opt.model_param_gbuf_map[param]
+                start = opt.gbuf_ranges[gbuf][dtype][bucket]["param_map"][param]["param"].start
+                for key, value in sorted(opt.optimizer.state.get(shard, {}).items()):
+                    if key != "step":
+                        mine.append((f"{names[id(param)]}.{key}", param.numel(), start, value.detach().float().clone()))
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    whole: dict[str, torch.Tensor] = {}
+    for rank_view in gathered:
+        for key, numel, start, piece in rank_view:
+            whole.setdefault(key, torch.full((numel,), float("nan")))[start:start + piece.numel()] = piece
+    return {key: _hash(t) for key, t in sorted(whole.items())}

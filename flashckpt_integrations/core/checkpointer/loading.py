@@ -30,7 +30,7 @@ from ...errors import (
     LayoutMismatchError,
     StorageError,
 )
-from .. import collectives, verify
+from .. import collectives, reshard, verify
 from ..client import SaverClient
 from ..codecs import decode_from_slot, read_file
 from ..layout import Layout, commit_record, files_dir, read_json
@@ -199,6 +199,8 @@ class LoadPath:
         fallback, started = _Fallback(), time.perf_counter()  # the log gives the whole restore, fallbacks too
         while True:
             choice = self._choose(step, prefer_memory, fallback)
+            if prefer_memory and step is None and not choice.memory and not fallback.events:
+                self._refuse_to_lose_resharded(choice.step)
             if choice.step is None:
                 self._decide(choice)
                 if fallback.events:
@@ -242,6 +244,22 @@ class LoadPath:
             chosen = step
             chosen_memory = step if step in in_every_rank else None
         return _Choice(chosen, chosen_memory is not None, memory, records, committed, fetched)
+
+    def _refuse_to_lose_resharded(self, chosen: int | None) -> None:
+        """Raise (on every rank) when a job of another number of ranks left a newer step in memory
+        than ``chosen``: files saved one per rank cannot be resharded, and starting from an older
+        step (or from scratch) would silently lose the steps in between."""
+        newer = reshard.newest_elsewhere(self)
+        if newer is None or (chosen is not None and newer[0] <= chosen):
+            return
+        raise LayoutMismatchError(
+            f"step {newer[0]} is in the memory of this job's nodes, saved by a job of {newer[1]} ranks; this job has "
+            f"{self.world_size}. Checkpointer.load restores each rank's own files and cannot spread {newer[1]} "
+            f"ranks' state over {self.world_size}: restart with {newer[1]} ranks to resume from it, or save through "
+            "the DCP adapter (flashckpt_integrations.adapters.dcp), whose load restores onto another number of ranks "
+            "from memory. " + ("load(prefer_memory=False) starts from scratch instead (nothing is committed)"
+                               if chosen is None else
+                               f"load(prefer_memory=False) loads the newest commit, step {chosen}, instead"))
 
     def _decide(self, choice: _Choice) -> None:
         """This attempt continues the lineage of what it loaded, or starts one (once)."""
@@ -372,7 +390,7 @@ class LoadPath:
                 logger.error("[RANK %d] ignoring corrupt snapshot: %s; falling back to storage", self.rank, exc)
                 continue
             if meta.get("rank") != self.rank or meta.get("world_size") != self.world_size:
-                logger.warning("[RANK %d] snapshot of step %s was taken by rank %s of %s ranks; not used",
+                logger.info("[RANK %d] snapshot of step %s was taken by rank %s of %s ranks; not used",
                                self.rank, header.step, meta.get("rank"), meta.get("world_size"))
                 continue
             if not self._accept_snapshot(slot, header.step, meta):
