@@ -66,16 +66,18 @@ def verified_choice(ck: Checkpointer, choose: Callable[[], tuple[int, str] | Non
             return chosen
 
 
-def declare_resume(ck: Checkpointer, step: int, source: str = "storage") -> None:
+def declare_resume(ck: Checkpointer, step: int, source: str = "storage", tag: Mapping[str, Any] | None = None
+                   ) -> None:
     """Tell the core that this attempt resumed from ``step`` read by a framework's own loader (not
     ``ck.load()``), so that it continues that checkpoint's lineage (collective: every rank, before
     the first save; nothing happens when the attempt has decided already).
 
     ``source``: ``"memory"`` (this job's snapshot of ``step``, every rank holds it) or ``"storage"``
     (a commit; a step that flashckpt never committed, e.g. stock files, makes a run of its own).
+    ``tag``: the lineage tag of a memory snapshot that is not this job's own (``reshard.Sources.tag``).
     """
     if source == "memory":
-        ck.start_attempt(step, from_memory=True)
+        ck.start_attempt(step, from_memory=True, tag=tag)
         return
     try:
         ck.start_attempt(step)

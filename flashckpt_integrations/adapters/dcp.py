@@ -442,7 +442,7 @@ def _load_step(ck: Checkpointer, stateful: dict[str, Any], chosen: tuple[int, st
     fallbacks: list[str] = []
     while True:
         if source == "memory":  # read by DCP's loader from the slots, not by Checkpointer.load
-            declare_resume(ck, step, source)
+            declare_resume(ck, step, source, tag=sources.tag if sources is not None else None)
             reader: StorageReader = MemoryReader(ck, step, folder, sources)
         else:
             reader = _storage_reader(ck, step, folder)

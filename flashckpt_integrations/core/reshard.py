@@ -131,6 +131,9 @@ class Sources:
 
     choice: Choice
     slots: dict[int, tuple[Slot, dict[str, Any]]] = field(default_factory=dict)
+    tag: dict[str, Any] | None = None
+    """The snapshots' lineage tag (the same on every rank): what the attempt that resumes continues
+    (``Checkpointer.start_attempt(step, from_memory=True, tag=...)``)."""
 
     @classmethod
     def open(cls, ck: Any, choice: Choice, found: list[Snapshot]) -> Sources | None:
@@ -154,9 +157,12 @@ class Sources:
                 ok = False
                 break
             sources.slots[snap.rank] = (slot, slot.read_metadata(header))
-        if not all(collectives.all_gather_object(ok, ck.world_size, ck.process_group)):
+        tag = next((meta.get("tag") for _, meta in sources.slots.values() if meta.get("tag")), None)
+        views = collectives.all_gather_object([ok, tag], ck.world_size, ck.process_group)
+        if not all(v[0] for v in views):
             sources.close()
             return None
+        sources.tag = next((v[1] for v in views if v[1]), None)
         return sources
 
     def snapshot(self, old_rank: int) -> tuple[Slot, dict[str, Any]]:

@@ -109,6 +109,7 @@ def main() -> None:
     if args.resume:
         loaded = flash_dcp.load(ck, state, prefer_memory=not args.prefer_storage)
         record["events"].append({"load": loaded.step, "source": loaded.source})
+        record["lineage_commits"] = ck.committed_steps()  # what a restart of this attempt could still load
         if args.storage_factory == "tests.helpers:CountingStorage":
             record["events"][-1]["storage_bytes"] = sum(CountingStorage.data_bytes.values())
         start = loaded.step

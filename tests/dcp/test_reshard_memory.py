@@ -66,6 +66,7 @@ def test_a_lost_node_resumes_on_the_node_left_from_memory(tmp_path, private_shm_
         assert run.returncode == 0, run.stderr[-5000:]
         assert "resharded step 7 from the memory of a job of 4 ranks onto 2 ranks" in run.stderr
         assert _loads(memory, 2) == [{"load": pause, "source": "memory", "storage_bytes": 0}] * 2
+        assert records(memory, 2)[0]["lineage_commits"] == [5, pause], "the attempt continues the old job's lineage"
 
         run = torchrun("fsdp_train.py", "--ckpt", ckpt, "--out", storage, "--steps", steps, "--resume", *COUNTING,
                        "--prefer-storage", "--dump-at", *dumps, nproc=2, **node0)

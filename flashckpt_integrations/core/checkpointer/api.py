@@ -223,8 +223,9 @@ class Checkpointer:
         return self.loads.memory_snapshots()
 
     @_doc_from(LoadPath.start_attempt)
-    def start_attempt(self, resumed_step: int | None = None, *, from_memory: bool = False) -> None:
-        self.loads.start_attempt(resumed_step, from_memory=from_memory)
+    def start_attempt(self, resumed_step: int | None = None, *, from_memory: bool = False,
+                      tag: Mapping[str, Any] | None = None) -> None:
+        self.loads.start_attempt(resumed_step, from_memory=from_memory, tag=tag)
 
     @_doc_from(LoadPath.recover_replicas)
     def recover_replicas(self, step: int | None = None) -> int | None:

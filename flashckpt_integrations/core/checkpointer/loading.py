@@ -68,7 +68,8 @@ class LoadPath:
         """
         return sorted(self.attempt.commit_records())
 
-    def start_attempt(self, resumed_step: int | None = None, *, from_memory: bool = False) -> None:
+    def start_attempt(self, resumed_step: int | None = None, *, from_memory: bool = False,
+                      tag: Mapping[str, Any] | None = None) -> None:
         """Say how this attempt starts (collective, once; ``load()`` and the first ``save()`` say it
         themselves when it was not said before).
 
@@ -76,7 +77,9 @@ class LoadPath:
         by this attempt or its restarts, and its saves of steps they committed replace them.
         A step: resumed from that committed step (or, ``from_memory``, from this job's memory
         snapshot of it) by other code, e.g. a framework's own loader; this attempt continues the
-        lineage that wrote it.
+        lineage that wrote it. ``tag``: with ``from_memory``, the snapshot's lineage tag when the
+        snapshot is not this job's own (one that a job of another number of ranks left, see
+        :mod:`..reshard`).
         """
         self._check_open()
         if self.attempt.decided:
@@ -84,7 +87,9 @@ class LoadPath:
         if resumed_step is None:
             self.attempt.begin(None, None)
             return
-        if from_memory:  # rank 0's tag names the lineage; every rank holds the step (the caller checked)
+        if from_memory and tag is not None:
+            parent = dict(tag)
+        elif from_memory:  # rank 0's tag names the lineage; every rank holds the step (the caller checked)
             snapshot = self.memory_snapshots().get(resumed_step)
             parent = (snapshot[1].get("tag") if snapshot is not None else None) or {}
         else:  # every rank reads the same record
