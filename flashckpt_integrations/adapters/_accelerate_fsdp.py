@@ -16,19 +16,21 @@ Call order: :func:`unsupported` (once, at setup). Saving, on every rank: :func:`
 Resuming from memory, on every rank: :func:`memory_files` (everything but the DCP folders, which
 stay in the slots), then :func:`load_sharded_model` / :func:`load_sharded_optimizer` (items read in
 place from the slots), or :func:`require_on_rank0` and :func:`set_full` (rank 0's full state
-scattered into the shards).
+scattered into the shards). A sharded state saved by another number of ranks
+(``reshard.open_sources``): :func:`resharded_files`, then the two loads given those sources.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-from ..core import collectives
+from ..core import collectives, reshard
 from ..core.checkpointer import Checkpointer
 from ..core.codecs import decode_from_slot
 from ..core.state import FileSpec
@@ -52,6 +54,8 @@ try:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 except ImportError as exc:  # pragma: no cover - exercised only without accelerate
     raise missing_dependency("accelerate", "accelerate") from exc
+
+logger = logging.getLogger(__name__)
 
 _NAMES = f"({re.escape(FSDP_MODEL_NAME)}|{re.escape(FSDP_OPTIMIZER_NAME)})"
 _DCP_FOLDER = re.compile(rf"{_NAMES}_\d+")
@@ -171,12 +175,45 @@ def memory_files(ck: Checkpointer, step: int, is_own: Callable[[str], bool]) -> 
     return share_from_rank0(files, ck.rank, is_own=lambda path: is_own(path) or is_full_file(path))
 
 
-def load_sharded_model(plugin: Any, ck: Checkpointer, model: Any, step: int, index: int = 0) -> None:
+def resharded_files(ck: Checkpointer, sources: reshard.Sources, per_rank: Callable[[str], bool]) -> dict[str, Any]:
+    """The snapshot's files except the DCP folders and full-state files, when a job of another number
+    of ranks saved it (collective): old rank 0's files on every rank, except the per-rank ones
+    (``per_rank(path)``, e.g. RNG states), which each rank takes from the old rank of its own number,
+    as a resume from storage reads ``<name>_<rank>`` of its own rank. A WARNING says whose are left."""
+    served = {old: {f["path"]: decode_from_slot(slot, meta["regions"], f, weights_only=ck.config.weights_only,
+                                                map_location="cpu")
+                    for f in meta["files"] if not is_dcp(f["path"]) and not is_full_file(f["path"])
+                    and (per_rank(f["path"]) or old == 0)}
+              for old, (slot, meta) in sources.slots.items()}
+    views: list[Any] = [None] * ck.world_size
+    dist.all_gather_object(views, served, group=ck.process_group)  # (objects: pickled, as torch.save wrote them)
+    by_old: dict[int, dict[str, Any]] = {}
+    for view in views:
+        by_old.update(view)
+    files = {path: value for path, value in by_old.get(0, {}).items() if not per_rank(path)}
+    files.update({path: value for path, value in by_old.get(ck.rank, {}).items() if per_rank(path)})
+    old_world = sources.choice.world_size
+    kinds = sorted({path for old in by_old.values() for path in old if per_rank(path)})
+    if ck.rank == 0 and kinds:
+        if old_world > ck.world_size:
+            logger.warning("[RANK 0] the per-rank files of old ranks %d-%d (%s ...) are not restored: this job has %d "
+                           "ranks, and each rank restores those of its own number, as from storage",
+                           ck.world_size, old_world - 1, kinds[-1], ck.world_size)
+        elif old_world < ck.world_size:
+            logger.warning("[RANK 0] ranks %d-%d have no per-rank files (%s ...) in the snapshot of a job of %d ranks: "
+                           "their random states start afresh, as on a resume from storage",
+                           old_world, ck.world_size - 1, kinds[0], old_world)
+    return files
+
+
+def load_sharded_model(plugin: Any, ck: Checkpointer, model: Any, step: int, index: int = 0,
+                       sources: reshard.Sources | None = None) -> None:
     """Load model ``index`` from its DCP folder in the memory snapshot of ``step``, as ``load_fsdp_model``
-    does from storage (collective)."""
+    does from storage (collective); ``sources``: the old ranks' snapshots, when another number of
+    ranks saved it."""
     with _context(plugin, model):
         state = {"model": _model_state_dict(plugin, model)}
-        flash_dcp.load(ck, state, step=step, folder=model_folder(index))
+        flash_dcp.load(ck, state, step=step, folder=model_folder(index), sources=sources)
         options = _options(plugin)
         if options is None:
             model.load_state_dict(state["model"])
@@ -185,14 +222,14 @@ def load_sharded_model(plugin: Any, ck: Checkpointer, model: Any, step: int, ind
 
 
 def load_sharded_optimizer(plugin: Any, ck: Checkpointer, model: Any, optimizer: Any, step: int,
-                           index: int = 0) -> None:
+                           index: int = 0, sources: reshard.Sources | None = None) -> None:
     """Load ``optimizer`` (of ``model``) from its DCP folder in the memory snapshot of ``step``, as
-    ``load_fsdp_optimizer`` does from storage (collective)."""
+    ``load_fsdp_optimizer`` does from storage (collective; ``sources`` as for the model)."""
     if plugin.fsdp_version == 1:  # an optimizer that never stepped has no state to load into: make it first,
         _init_state(optimizer)  # or FSDP1's template is empty and nothing of the optimizer is restored
     with _context(plugin, model):
         state = {"optimizer": _optimizer_state_dict(plugin, model, optimizer)}
-        flash_dcp.load(ck, state, step=step, folder=optimizer_folder(index))
+        flash_dcp.load(ck, state, step=step, folder=optimizer_folder(index), sources=sources)
         if plugin.fsdp_version == 1:
             optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
                 model=model, optim=optimizer, optim_state_dict=state["optimizer"]))

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..core import reshard
 from ..core.checkpointer import Checkpointer
 from ..core.state import FileSpec
 from . import _accelerate_fsdp as files_of_fsdp
@@ -96,11 +97,19 @@ def memory_files(ck: Checkpointer, step: int) -> dict[str, Any]:
     return files_of_fsdp.memory_files(ck, step, _rank_own)
 
 
+def resharded_files(trainer: Trainer, ck: Checkpointer) -> Callable[[reshard.Sources], dict[str, Any]] | None:
+    """With a sharded state dict: how to read the files of a snapshot that another number of ranks took
+    (collective; see ``_accelerate_fsdp.resharded_files``); else None (a full state dict is rank 0's)."""
+    if not files_of_fsdp.is_sharded(_plugin(trainer)):
+        return None
+    return lambda sources: files_of_fsdp.resharded_files(ck, sources, lambda path: path.startswith("rng_state"))
+
+
 def load_model(trainer: Trainer, ck: Checkpointer, model: Any, memory: MemoryResume) -> None:
     """Load the model from the memory snapshot of ``ck``, as ``load_fsdp_model`` does from a folder (collective)."""
     plugin = _plugin(trainer)
     if files_of_fsdp.is_sharded(plugin):
-        files_of_fsdp.load_sharded_model(plugin, ck, model, memory.step)
+        files_of_fsdp.load_sharded_model(plugin, ck, model, memory.step, sources=memory.sources)
         return
     model_sd = memory.files.pop(FULL_MODEL_FILE, None)
     files_of_fsdp.require_on_rank0(ck, model_sd, memory.step, FULL_MODEL_FILE, _NOT_RESUMABLE)
@@ -112,7 +121,8 @@ def load_optimizer(trainer: Trainer, ck: Checkpointer, memory: MemoryResume) -> 
     (collective)."""
     plugin = _plugin(trainer)
     if files_of_fsdp.is_sharded(plugin):
-        files_of_fsdp.load_sharded_optimizer(plugin, ck, trainer.model, trainer.optimizer, memory.step)
+        files_of_fsdp.load_sharded_optimizer(plugin, ck, trainer.model, trainer.optimizer, memory.step,
+                                             sources=memory.sources)
         return
     optim_sd = memory.files.pop(FULL_OPTIMIZER_FILE, None)
     files_of_fsdp.require_on_rank0(ck, optim_sd, memory.step, FULL_OPTIMIZER_FILE, _NOT_RESUMABLE)

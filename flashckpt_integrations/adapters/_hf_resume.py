@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..core import reshard
 from ..core.checkpointer import Checkpointer
 from ..errors import FlashCkptError, missing_dependency
 from ._common import newest_memory_step, write_byte_files
@@ -43,10 +44,14 @@ class MemoryResume:
     step: int
     path: str
     files: dict[str, Any]
+    sources: reshard.Sources | None = None
+    """The old ranks' snapshots, when a job of another number of ranks took it."""
 
     def close(self) -> None:
-        """Remove the folder of its small files."""
+        """Remove the folder of its small files (and unmap the old ranks' snapshots)."""
         shutil.rmtree(self.path, ignore_errors=True)
+        if self.sources is not None:
+            self.sources.close()
 
 
 def resume_flag(value: Any) -> Any:
@@ -69,11 +74,15 @@ def checkpoint_step(path: str) -> int | None:
 
 
 def resume_latest(
-    ck: Checkpointer, args: TrainingArguments, memory_files: Callable[[int], dict[str, Any]]
+    ck: Checkpointer, args: TrainingArguments, memory_files: Callable[[int], dict[str, Any]],
+    resharded_files: Callable[[reshard.Sources], dict[str, Any]] | None = None,
 ) -> tuple[str | bool | None, MemoryResume | None, tuple[int, str] | None]:
     """What ``resume_from_checkpoint=True`` means: memory snapshot, else newest commit (collective).
 
-    ``memory_files(step)``: the files of the memory snapshot of ``step`` (collective). Returns the
+    ``memory_files(step)``: the files of the memory snapshot of ``step`` (collective).
+    ``resharded_files(sources)``: where the state reshards (FSDP's sharded state dict), the files of
+    a snapshot that a job of another number of ranks left in memory (collective); it is resumed
+    from when this job's own memory holds no step at least as new as the newest commit. Returns the
     ``resume_from_checkpoint`` to give the stock ``train`` (a folder, ``True`` for a checkpoint only
     the stock lookup finds, ``None`` for none), the snapshot resumed from memory (or None), and
     ``(step, "memory" | "storage")`` (or None).
@@ -93,6 +102,9 @@ def resume_latest(
         logger.warning("flashckpt: resuming from the shared-memory snapshot of step %d", step)
         return path, memory, (step, "memory")
     committed = ck.committed_steps()
+    resharded = _resharded(ck, committed, resharded_files)
+    if resharded is not None:
+        return resharded.path, resharded, (resharded.step, "memory")
     if committed:
         ck.start_attempt(committed[-1])  # this run continues the one that committed it
         logger.warning("flashckpt: resuming from committed checkpoint %d", committed[-1])
@@ -103,6 +115,34 @@ def resume_latest(
     logger.warning("flashckpt: no snapshot in memory and no checkpoint in %s; training starts from scratch",
                    args.output_dir)
     return None, None, None
+
+
+def _resharded(ck: Checkpointer, committed: list[int],
+               resharded_files: Callable[[reshard.Sources], dict[str, Any]] | None) -> MemoryResume | None:
+    """The snapshot of a job of another number of ranks to resume from (collective), or None; a
+    WARNING when memory holds a newer step than the newest commit that this state cannot reshard from."""
+    if resharded_files is None:
+        newer = reshard.newest_elsewhere(ck)
+        if newer is not None and (not committed or newer[0] > committed[-1]) and ck.rank == 0:
+            logger.warning("flashckpt: shared memory holds step %d, saved by a job of %d ranks; this job has %d, and "
+                           "only FSDP's SHARDED_STATE_DICT resumes from memory onto another number of ranks. %s",
+                           newer[0], newer[1], ck.world_size,
+                           f"Resuming from committed checkpoint {committed[-1]}" if committed else "Starting afresh")
+        return None
+    sources = reshard.open_sources(ck, committed[-1] if committed else None)
+    if sources is None:
+        return None
+    try:
+        files = resharded_files(sources)
+        step = sources.choice.step
+        path = write_byte_files(files, prefix=f"flashckpt-memory-{PREFIX_CHECKPOINT_DIR}-{step}-")
+    except BaseException:
+        sources.close()
+        raise
+    ck.start_attempt(step, from_memory=True, tag=sources.tag)
+    logger.warning("flashckpt: resuming from the shared-memory snapshot of step %d, saved by %d ranks, onto %d ranks",
+                   step, sources.choice.world_size, ck.world_size)
+    return MemoryResume(step, path, files, sources)
 
 
 def start_from_scratch(ck: Checkpointer, args: TrainingArguments) -> None:

@@ -414,7 +414,8 @@ class FlashCkptTrainer(Trainer):
             ck = self.flash_checkpointer
             if resume_from_checkpoint is True:
                 resume_from_checkpoint, self._flash_resume, self.flash_resumed_from = _hf_resume.resume_latest(
-                    ck, self.args, lambda step: self._flash_memory_files(ck, step))
+                    ck, self.args, lambda step: self._flash_memory_files(ck, step),
+                    _hf_fsdp.resharded_files(self, ck) if self.is_fsdp_enabled else None)
             elif resume_from_checkpoint is None:
                 _hf_resume.start_from_scratch(ck, self.args)
             else:

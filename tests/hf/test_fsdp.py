@@ -22,6 +22,7 @@ pytest.importorskip("safetensors")
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from flashckpt_integrations import cli  # noqa: E402
 from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
 from tests.hf.common import assert_bitwise_equal  # noqa: E402
 
@@ -36,8 +37,8 @@ def _env() -> dict[str, str]:
             "PYTHONUNBUFFERED": "1"}
 
 
-def _script(out, result, *extra: str) -> list[str]:
-    return [*torchrun_cmd(2, free_port()), SCRIPT, "--out", str(out), "--result", str(result), *extra]
+def _script(out, result, *extra: str, nproc: int = 2) -> list[str]:
+    return [*torchrun_cmd(nproc, free_port()), SCRIPT, "--out", str(out), "--result", str(result), *extra]
 
 
 def _summary(stdout: str) -> dict:
@@ -136,6 +137,37 @@ def test_sharded_state_dict_crash_resumes_from_memory_and_stock_resumes_the_save
             assert_same_state(saved, _read_dcp(theirs / folder, tmp_path / f"theirs-{step}-{folder}.pt"))
             assert list(saved) == [key]
     assert os.listdir(private_shm_dir) == []  # a clean end frees the shared memory
+
+
+@pytest.mark.distributed
+def test_sharded_state_dict_resumes_from_memory_on_fewer_ranks(tmp_path, private_shm_dir, capsys):
+    """4 ranks, rank 0 killed after the memory-only snapshot of step 9 (commits: 4, 8); the job comes back
+    with 2 ranks. The node persists step 9 from the old ranks' slots (``flashckpt persist``: the storage
+    reference). The 2 ranks resume step 9 from the memory of the 4, then, in the same processes, a stock
+    Trainer on 2 ranks resumes from the committed checkpoint-9 (DCP resharding from storage): both end
+    bit for bit alike."""
+    run = tmp_path / "run"
+    steps = ("--max-steps", "12", "--save-steps", "4", "--memory-interval", "3")
+    crashed = subprocess.run(_script(run, tmp_path / "run.pt", "--kill-at", "9", *steps, nproc=4), env=_env(),
+                             capture_output=True, text=True, timeout=240)
+    assert crashed.returncode != 0 and '{"killing_at": 9}' in crashed.stdout, crashed.stdout + crashed.stderr
+    deadline = time.monotonic() + 30
+    while checkpoints(run) != [4, 8] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    capsys.readouterr()
+    assert cli.main(["persist", str(run), "--shm-dir", private_shm_dir]) == 0
+    assert "step 9 is committed (ranks [0, 1, 2, 3]" in capsys.readouterr().out
+    resumed = subprocess.run(
+        _script(run, tmp_path / "run.pt", "--resume", *steps, "--then-stock-resume-from", str(run / "checkpoint-9"),
+                "--stock-out", str(tmp_path / "stock"), "--stock-result", str(tmp_path / "stock.pt")),
+        env=_env(), capture_output=True, text=True, timeout=240)
+    logs = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, logs
+    assert _summary(resumed.stdout) == {"final_step": 12, "resumed_from": [9, "memory"],
+                                        "model": "FSDPGPT2LMHeadModel", "stock_final_step": 12}, logs
+    assert "resuming from the shared-memory snapshot of step 9, saved by 4 ranks, onto 2 ranks" in logs
+    assert "the per-rank files of old ranks 2-3 (rng_state_3.pth ...) are not restored" in logs
+    assert_bitwise_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "stock.pt"))
 
 
 @pytest.mark.distributed
