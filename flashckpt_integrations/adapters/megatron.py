@@ -332,7 +332,7 @@ class MegatronFlash:
         ck = self.checkpointer(load_dir)
         kind = _snapshot_kind(margs)
         step, sources = self._memory_step(ck, kind), None
-        if step is None and margs.ckpt_format == "torch_dist":  # a job of another size may have left a newer one
+        if step is None:  # a job of another number of ranks may have left a newer iteration in memory
             sources = _resharding_sources(ck, kind)
         if step is None and sources is None:
             if margs.ckpt_format == "torch":  # torch_dist checkpoints reshard on load
@@ -425,7 +425,8 @@ class MegatronFlash:
         ``sources``: the snapshots of a job of another number of ranks to read instead of this
         job's own (Megatron reshards them as it reshards a checkpoint on storage).
         """
-        declare_resume(ck, step, "memory")  # read here, not by ck.load(): saves continue its lineage
+        # read here, not by ck.load(): saves continue its lineage (the old job's, when resharding)
+        declare_resume(ck, step, "memory", tag=sources.tag if sources is not None else None)
         reader = _dist.SnapshotReader(ck, step, sources)
         if reader.elsewhere and ck.rank == 0:
             logger.warning("[RANK %d] flashckpt: iteration %d is resumed from memory without the files %s, which "
@@ -620,28 +621,38 @@ def _resharding_sources(ck: Checkpointer, kind: Mapping[str, Any]) -> reshard.So
     """The ``torch_dist`` snapshots that a job of another number of ranks left in this node's memory,
     of an iteration at least as new as the newest commit (collective; the same answer on every
     rank), or None. Megatron's load reshards them as it reshards a commit (any tensor, pipeline,
-    data and expert parallel sizes); a ``torch`` (legacy) snapshot cannot be, and storage is read."""
+    data and expert parallel sizes). A newer iteration in memory that cannot be resumed (saved
+    with ``--ckpt-format torch``, or not every old rank's snapshot of it is here) is named in a
+    WARNING, as Megatron then loads an older commit from storage."""
     committed = ck.committed_steps()
     newest_commit = collectives.all_gather_object(committed[-1] if committed else None, ck.world_size,
                                                   ck.process_group)[0]  # rank 0's view, the same on every rank
-    sources = reshard.open_sources(ck, newest_commit)
-    if sources is None:
-        return None
-    served = [[old, (meta.get("user") or {}).get("megatron")] for old, (_, meta) in sources.slots.items()]
-    saved = dict(entry for view in collectives.all_gather_object(served, ck.world_size, ck.process_group)
-                 for entry in view)
-    formats = {(kind_of or {}).get("format") for kind_of in saved.values()}
-    if formats != {"torch_dist"}:
-        logger.warning("[RANK %d] flashckpt: iteration %d is in memory from a job of %d ranks saved with "
-                       "--ckpt-format %s, which cannot be resharded onto %d ranks; loading from storage", ck.rank,
-                       sources.choice.step, sources.choice.world_size, "/".join(sorted(map(str, formats))),
-                       ck.world_size)
+    sources = reshard.open_sources(ck, newest_commit) if kind["format"] == "torch_dist" else None
+    if sources is not None:
+        served = [[old, (meta.get("user") or {}).get("megatron")] for old, (_, meta) in sources.slots.items()]
+        saved = dict(entry for view in collectives.all_gather_object(served, ck.world_size, ck.process_group)
+                     for entry in view)
+        formats = sorted({str((kind_of or {}).get("format")) for kind_of in saved.values()})
+        if formats == ["torch_dist"]:
+            logger.info("[RANK %d] flashckpt: resharding iteration %d from the memory of a job of %d ranks (%s) onto "
+                        "%d ranks (%s)", ck.rank, sources.choice.step, sources.choice.world_size,
+                        _sizes_text(saved[0]), ck.world_size, _sizes_text(kind))
+            return sources
+        newer: tuple[int, int] | None = (sources.choice.step, sources.choice.world_size)
+        reason = f"it was saved with --ckpt-format {'/'.join(formats)}, which is not resharded from memory"
         sources.close()
-        return None
-    logger.info("[RANK %d] flashckpt: resharding iteration %d from the memory of a job of %d ranks (%s) onto %d "
-                "ranks (%s)", ck.rank, sources.choice.step, sources.choice.world_size, _sizes_text(saved[0]),
-                ck.world_size, _sizes_text(kind))
-    return sources
+    else:
+        newer = reshard.newest_elsewhere(ck)
+        if newer is None or (newest_commit is not None and newer[0] <= newest_commit):
+            return None
+        reason = ("--ckpt-format torch is not resharded from memory" if kind["format"] == "torch" else
+                  "not every old rank's snapshot of it is in this node's memory, or one failed verification")
+    if ck.rank == 0:
+        logger.warning("[RANK %d] flashckpt: iteration %d is in this node's memory, saved by a job of %d ranks, but "
+                       "this job of %d ranks cannot resume from it (%s); Megatron loads the newest commit (%s) from "
+                       "storage instead. Relaunch with %d ranks to resume from memory.", ck.rank, newer[0], newer[1],
+                       ck.world_size, reason, newest_commit, newer[1])
+    return None
 
 
 def _needed_files(margs: Any, root: str, step: int) -> list[str]:

@@ -370,9 +370,11 @@ class SnapshotReader(flash_dcp.MemoryReader):
 
 
 def _small_files(meta: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The files of a snapshot that are neither shards (``__<rank>_0.distcp``) nor ``.metadata``."""
+    """The files of a snapshot that are neither shards (``__<rank>_0.distcp``) nor ``.metadata``
+    (only paths inside the checkpoint folder)."""
     return [f for f in meta["files"] if f["path"] != flash_dcp.METADATA_FILE
-            and _FILE_RANK.fullmatch(os.path.basename(f["path"])) is None and f["codec"] == Codec.BYTES.value]
+            and _FILE_RANK.fullmatch(os.path.basename(f["path"])) is None and f["codec"] == Codec.BYTES.value
+            and not f["path"].startswith("/") and ".." not in f["path"].split("/")]
 
 
 def _pack(files: Mapping[str, bytes]) -> bytes:

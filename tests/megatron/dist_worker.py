@@ -1,4 +1,4 @@
-"""Megatron-LM's real save_checkpoint / load_checkpoint with ``--ckpt-format torch_dist`` on 2 CPU ranks.
+"""Megatron-LM's real save_checkpoint / load_checkpoint with ``--ckpt-format torch_dist`` on CPU ranks (gloo).
 
     torchrun --nproc-per-node 2 tests/megatron/dist_worker.py --mode crash --base DIR --out DIR --layouts tp2,dp2
 
@@ -16,6 +16,11 @@ own checkpoint directory ``<base>/<layout>``. Modes (each writes ``<out>/<mode>-
 * ``stock``: Megatron's own code only (any import of flashckpt_integrations is refused and
   recorded). ``--jobs DIR:SAVED:LOADED,...`` loads the newest iteration of ``<base>/DIR`` (saved
   with layout SAVED) with Megatron's ``load_checkpoint`` into layout LOADED.
+* ``reshard-crash`` (patched, 4 ranks): per layout (``dp``, ``distopt``; ``dp-torch`` in the
+  legacy format), iterations 1-3 saved, 2 persisted, 3 in memory only, then SIGKILL.
+* ``reshard-resume`` (patched, 2 ranks): ``load_checkpoint`` after ``reshard-crash`` (from the 4
+  ranks' memory), one iteration and its save; records the state in a form that does not depend on
+  the data-parallel size, and the WARNINGs of flashckpt_integrations.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.abc
 import json
+import logging
 import os
 import signal
 import sys
@@ -57,6 +63,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def argv(layout: str, ckpt: str) -> list[str]:
     # the distributed-optimizer job also loads through Megatron's fully-parallel load wrapper
     extra = ["--ckpt-fully-parallel-load"] if layout in ("dp2", "distopt") else []
+    if layout.endswith("-torch"):  # the layout with Megatron's legacy format
+        return tiny.megatron_argv(layout[:-len("-torch")], ckpt, ckpt_format="torch")
     return [*tiny.megatron_argv(layout, ckpt, ckpt_format="torch_dist"), *extra]
 
 
@@ -163,10 +171,13 @@ def reshard_crash(layout: str, ckpt: str, record: dict) -> None:
 
 
 def reshard_resume(layout: str, ckpt: str, record: dict) -> None:
-    """2 ranks after ``reshard_crash``: load (from the 4 ranks' memory), one iteration, a persisted save."""
+    """2 ranks after ``reshard_crash``: load (``torch_dist``: from the 4 ranks' memory), one iteration, a save
+    (persisted after a load of iteration 3)."""
     from flashckpt_integrations.adapters import megatron as flash_megatron
 
     flash = flash_megatron.patch(persist_interval=2)
+    logged = Logged()
+    logging.getLogger("flashckpt_integrations").addHandler(logged)
     try:
         model, optimizer, scheduler = tiny.build(seed=99)
         started = time.perf_counter()
@@ -177,11 +188,24 @@ def reshard_resume(layout: str, ckpt: str, record: dict) -> None:
         record.update(reshard_state(layout, model, optimizer))
         tiny.train(model, optimizer, scheduler, iteration + 1, iteration + 1)
         checkpointing.save_checkpoint(iteration + 1, model, optimizer, scheduler, 100 * (iteration + 1))
-        outcome = flash.wait()
-        record["committed"] = [outcome.step, outcome.committed, outcome.error]
+        outcome = flash.wait()  # (None: the save was not persisted)
+        record["committed"] = outcome and [outcome.step, outcome.committed, outcome.error]
         record["committed_steps"] = flash.checkpointer(get_args().save).committed_steps()
     finally:
+        record["warnings"] = logged.messages  # (also when the load failed: why it read storage)
+        logging.getLogger("flashckpt_integrations").removeHandler(logged)
         flash_megatron.unpatch()
+
+
+class Logged(logging.Handler):
+    """Keeps the messages of the WARNINGs (and worse) of flashckpt_integrations."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def reshard_state(layout: str, model, optimizer) -> dict:
