@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from . import knobs
 from ._utils.help import HelpFormatter
-from .core import replication, verify
+from .core import replication, reshard, verify
 from .core.client import job_id_for, job_key, saver_running, user_run_root
 from .core.layout import (
     Layout,
@@ -164,6 +164,29 @@ def _memory(url: str, job_id: str | None, shm_dir: str | None) -> list[dict[str,
     return rows
 
 
+def _restorable(url: str, job_id: str | None, shm_dir: str | None) -> list[dict[str, Any]]:
+    """Newest first: each step in this host's memory (slots and replicas), the size of the job that
+    saved it, and which of its ranks are held here. A step held for every rank restores here onto
+    that many ranks, and through the DCP adapter onto any other number (``core.reshard``)."""
+    shm = shm_dir or knobs.get(knobs.SHM_DIR, "/dev/shm")
+    held: dict[tuple[int, int], set[int]] = {}
+    for snap in reshard.held_snapshots(url, job_id, shm):
+        held.setdefault((snap.step, snap.world_size), set()).add(snap.rank)
+    return [{"step": step, "world_size": world, "ranks": sorted(ranks), "missing": sorted(set(range(world)) - ranks)}
+            for (step, world), ranks in sorted(held.items(), key=lambda item: (-item[0][0], item[0][1]))]
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def _run_dirs(url: str, job_id: str | None) -> list[str]:
     """This host's saver run directories of the job (one per node id: socket, locks, log)."""
     return sorted(glob.glob(os.path.join(user_run_root(), f"{job_key(job_id_for(url, job_id))}-*")))
@@ -243,9 +266,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     savers = _savers(url, args.job_id)
     replicas, nodes = _replicas(url, args.job_id, args.shm_dir), _nodes(storage, url, args.job_id)
     status = _replication_status([s["run_dir"] for s in savers])
+    restorable = _restorable(url, args.job_id, args.shm_dir)
     if args.json:
         print(json.dumps({"dir": url, "committed": committed, "uncommitted": in_flight, "memory": memory,
-                          "savers": savers, "replicas": replicas, "nodes": nodes, "replication": status}, indent=1))
+                          "savers": savers, "replicas": replicas, "nodes": nodes, "replication": status,
+                          "restorable": restorable}, indent=1))
         return EXIT_OK
     print(f"{url}")
     print(f"  committed steps: {', '.join(map(str, committed)) or '-'}")
@@ -260,6 +285,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
               f"from node {row['from_node']}")
     if not memory and not replicas:
         print("  memory:          none on this host")
+    if restorable:
+        print("  steps in this host's memory, by the job that saved them (local slots and replicas):")
+    for row in restorable:
+        held = "every rank" if not row["missing"] else \
+            f"ranks {_ranks_text(row['ranks'])}, not {_ranks_text(row['missing'])}"
+        print(f"    step {row['step']:<6} saved by {row['world_size']} ranks: {held}")
     if nodes:
         print("  nodes (what each node's saver holds for which ranks):")
     _print_nodes(nodes, status)

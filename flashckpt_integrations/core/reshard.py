@@ -71,11 +71,31 @@ def node_snapshots(ck: Any) -> list[Snapshot]:
     and the peer replicas it holds), the newest of each (old rank, step); only those of the lineage
     this attempt continues (as for this world size's own snapshots)."""
     shm_dir = knobs.get(knobs.SHM_DIR, ck.config.shm_dir)
+    accepted = []
+    for snap, tag in _held(ck.url, ck.config.job_id, shm_dir):
+        if snap.world_size == ck.world_size:
+            continue
+        if not ck.attempt.view().accepts(tag, snap.step):  # an attempt this one does not continue
+            logger.info("[RANK %d] the snapshot of old rank %d (step %d) in %s belongs to an attempt this one does "
+                        "not continue; not used", ck.rank, snap.rank, snap.step, snap.path)
+            continue
+        accepted.append(snap)
+    return _newest_of_each(accepted)
+
+
+def held_snapshots(url: str, job_id: str | None, shm_dir: str) -> list[Snapshot]:
+    """The complete snapshots of the job saving to ``url`` in this host's shared memory (slots and
+    peer replicas, every world size), the newest of each (world size, rank, step): what a restart on
+    this host could restore from (``flashckpt ls``)."""
+    return _newest_of_each([snap for snap, _ in _held(url, job_id, shm_dir)])
+
+
+def _held(url: str, job_id: str | None, shm_dir: str) -> list[tuple[Snapshot, Any]]:
     paths: list[str] = []
-    for found in (job_slots(ck.url, ck.config.job_id, shm_dir), job_replicas(ck.url, ck.config.job_id, shm_dir)):
+    for found in (job_slots(url, job_id, shm_dir), job_replicas(url, job_id, shm_dir)):
         for rank_paths in found.values():
             paths.extend(rank_paths)
-    newest: dict[tuple[int, int, int], Snapshot] = {}
+    held = []
     for path in sorted(set(paths)):
         try:
             with complete_snapshot(path) as found:
@@ -85,14 +105,15 @@ def node_snapshots(ck: Any) -> list[Snapshot]:
         except (OSError, CorruptCheckpointError) as exc:
             logger.debug("skipping %s: %s", path, exc)
             continue
-        world = int(meta.get("world_size", 0))
-        if world == ck.world_size or "rank" not in meta:
-            continue
-        if not ck.attempt.view().accepts(meta.get("tag"), header.step):  # an attempt this one does not continue
-            logger.info("[RANK %d] the snapshot of old rank %s (step %d) in %s belongs to an attempt this one does "
-                        "not continue; not used", ck.rank, meta["rank"], header.step, path)
-            continue
-        snap = Snapshot(path, int(meta["rank"]), world, header.step, header.seq)
+        if "rank" in meta and "world_size" in meta:
+            held.append((Snapshot(path, int(meta["rank"]), int(meta["world_size"]), header.step, header.seq),
+                         meta.get("tag")))
+    return held
+
+
+def _newest_of_each(snaps: list[Snapshot]) -> list[Snapshot]:
+    newest: dict[tuple[int, int, int], Snapshot] = {}
+    for snap in snaps:
         key = (snap.world_size, snap.rank, snap.step)
         if key not in newest or newest[key].seq < snap.seq:
             newest[key] = snap

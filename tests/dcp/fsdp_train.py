@@ -3,7 +3,8 @@
 ``--steps N``: train up to step N. ``--persist-at``/``--memory-at``: steps to save through the
 flash DCP layer (persisted / memory only); ``--persist-every``/``--snapshot-every``: the same by
 period. ``--kill-at S``: SIGKILL every rank right after step S; ``--pause-at S``: after step S's save,
-touch ``<out>/paused-<rank>`` and wait to be killed. ``--resume``: load the newest checkpoint first
+touch ``<out>/paused-<rank>`` and wait to be killed; ``--hold-at S``: after step S's save, touch
+``<out>/held-<rank>`` and wait for ``<out>/go``, then train on. ``--resume``: load the newest checkpoint first
 (``--prefer-storage``: from storage). ``--dump-at``: steps whose full model and optimizer state rank 0
 writes to ``<out>/full-<step>.pt``. ``--checks``: after training, try a load into a mismatched
 model and non-collective save/load calls (rank 0 alone), recording the errors.
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=0)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--pause-at", type=int, default=None)
+    parser.add_argument("--hold-at", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--prefer-storage", action="store_true")
     parser.add_argument("--replicas", type=int, default=0)
@@ -97,7 +99,8 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer}
     ck = Checkpointer(args.ckpt, flash_dcp.checkpointer_config(commit_timeout_s=120), replicas=args.replicas,
                       storage_factory=args.storage_factory)
-    record: dict = {"rank": rank, "pid": os.getpid(), "run_dir": ck.run_dir, "events": []}
+    record: dict = {"rank": rank, "world": dist.get_world_size(), "pid": os.getpid(), "run_dir": ck.run_dir,
+                    "events": []}
     path = os.path.join(args.out, f"rank-{rank}.json")
 
     def flush() -> None:
@@ -108,11 +111,11 @@ def main() -> None:
     start = 0
     if args.resume:
         loaded = flash_dcp.load(ck, state, prefer_memory=not args.prefer_storage)
-        record["events"].append({"load": loaded.step, "source": loaded.source})
+        record["events"].append({"load": loaded and loaded.step, "source": loaded and loaded.source})
         record["lineage_commits"] = ck.committed_steps()  # what a restart of this attempt could still load
         if args.storage_factory == "tests.helpers:CountingStorage":
             record["events"][-1]["storage_bytes"] = sum(CountingStorage.data_bytes.values())
-        start = loaded.step
+        start = loaded.step if loaded is not None else 0
         dump(model, optimizer, args.out, start, args.dump_at, rank)
     for step in range(start + 1, args.steps + 1):
         train_step(model, optimizer, step, rank)
@@ -126,6 +129,11 @@ def main() -> None:
         if step == args.kill_at:
             dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.hold_at:
+            flush()
+            open(os.path.join(args.out, f"held-{rank}"), "w").close()
+            while not os.path.exists(os.path.join(args.out, "go")):
+                time.sleep(0.1)
         if step == args.pause_at:
             flush()
             open(os.path.join(args.out, f"paused-{rank}"), "w").close()
