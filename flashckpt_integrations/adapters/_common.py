@@ -17,11 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core import collectives
+from ..core import collectives, reshard
 from ..core.checkpointer import Checkpointer
 from ..core.results import SaveResult, SaveStatus
 from ..core.state import Codec, FileSpec
 from ..errors import CheckpointNotFoundError, FlashCkptError
+
+logger = logging.getLogger(__name__)
 
 
 def newest_memory_step(ck: Checkpointer, steps: list[int] | None = None) -> int | None:
@@ -83,6 +85,18 @@ def declare_resume(ck: Checkpointer, step: int, source: str = "storage", tag: Ma
         ck.start_attempt(step)
     except CheckpointNotFoundError:  # the same answer on every rank: they all read the same records
         ck.start_attempt(None)
+
+
+def warn_unresharded(ck: Checkpointer, committed: list[int], framework: str) -> None:
+    """Rank 0: a WARNING when a job of another number of ranks left a step in memory newer than the
+    newest commit, which this state cannot be resharded from (collective: every rank calls it)."""
+    newer = reshard.newest_elsewhere(ck)
+    if newer is None or (committed and newer[0] <= committed[-1]) or ck.rank != 0:
+        return
+    logger.warning("flashckpt: shared memory holds step %d, saved by a job of %d ranks; this job has %d, and %s state "
+                   "resumes from memory onto another number of ranks only as FSDP's SHARDED_STATE_DICT. %s",
+                   newer[0], newer[1], ck.world_size, framework,
+                   f"Resuming from committed step {committed[-1]}" if committed else "Starting afresh")
 
 
 def step_destination(ck: Checkpointer, step: int) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 from ..core import reshard
 from ..core.checkpointer import Checkpointer
 from ..errors import FlashCkptError, missing_dependency
-from ._common import newest_memory_step, write_byte_files
+from ._common import newest_memory_step, warn_unresharded, write_byte_files
 from ._hf_files import TRAINER_STATE_NAME
 
 try:
@@ -122,12 +122,7 @@ def _resharded(ck: Checkpointer, committed: list[int],
     """The snapshot of a job of another number of ranks to resume from (collective), or None; a
     WARNING when memory holds a newer step than the newest commit that this state cannot reshard from."""
     if resharded_files is None:
-        newer = reshard.newest_elsewhere(ck)
-        if newer is not None and (not committed or newer[0] > committed[-1]) and ck.rank == 0:
-            logger.warning("flashckpt: shared memory holds step %d, saved by a job of %d ranks; this job has %d, and "
-                           "only FSDP's SHARDED_STATE_DICT resumes from memory onto another number of ranks. %s",
-                           newer[0], newer[1], ck.world_size,
-                           f"Resuming from committed checkpoint {committed[-1]}" if committed else "Starting afresh")
+        warn_unresharded(ck, committed, "the Trainer's")
         return None
     sources = reshard.open_sources(ck, committed[-1] if committed else None)
     if sources is None:

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ..config import CheckpointerConfig
+from ..core import reshard
 from ..core.checkpointer import Checkpointer
 from ..core.layout import Layout
 from ..core.results import SaveResult, SaveStatus
@@ -63,6 +64,7 @@ from ._common import (
     newest_memory_step,
     quiet_about,
     share_from_rank0,
+    warn_unresharded,
     write_byte_files,
 )
 from .fsdp import gather_full
@@ -366,7 +368,18 @@ class AccelerateCheckpointer:
         """
         ck = self.checkpointer
         memory = newest_memory_step(ck) if step is None else (step if self.held_by_all(step) else None)
-        if memory is None:
+        sources = self._resharding_sources() if memory is None and step is None else None
+        if sources is not None:  # saved by another number of processes: their snapshots, resharded
+            memory = sources.choice.step
+            try:
+                ck.start_attempt(memory, from_memory=True, tag=sources.tag)
+                self._load_from_memory(memory, sources)
+            finally:
+                sources.close()
+            self.resumed_from, self.resumed_folder = (memory, "memory"), sources.folder or self.layout.step_path(memory)
+            logger.warning("flashckpt: step %d was saved by %d processes and is resharded onto %d from their memory",
+                           memory, sources.choice.world_size, ck.world_size)
+        elif memory is None:
             committed = ck.committed_steps()
             step = step if step is not None else (committed[-1] if committed else None)
             if step is None:
@@ -392,6 +405,16 @@ class AccelerateCheckpointer:
         self._saved_since_restore = False
         return self.resumed_from
 
+    def _resharding_sources(self) -> reshard.Sources | None:
+        """The snapshots that a job of another number of processes left in memory, newer than any commit,
+        when the state reshards (FSDP's sharded state dict); else None (collective)."""
+        ck = self.checkpointer
+        committed = ck.committed_steps()
+        if self.fsdp is not None and files_of_fsdp.is_sharded(self.fsdp):
+            return reshard.open_sources(ck, committed[-1] if committed else None)
+        warn_unresharded(ck, committed, "accelerate")
+        return None
+
     def held_by_all(self, step: int) -> bool:
         """Whether every process holds ``step`` in memory (collective; fetches it from a peer first)."""
         from ..core import collectives
@@ -405,9 +428,11 @@ class AccelerateCheckpointer:
         stock = getattr(self.accelerator, "_flashckpt_stock_load_state", self.accelerator.load_state)
         stock(path)
 
-    def _load_from_memory(self, step: int) -> None:
+    def _load_from_memory(self, step: int, sources: reshard.Sources | None = None) -> None:
         acc, ck = self.accelerator, self.checkpointer
-        if self.fsdp is not None:  # the DCP folders stay in the slots until the models and optimizers load them
+        if sources is not None:  # another number of processes saved it: the old ranks' files
+            files = files_of_fsdp.resharded_files(ck, sources, _is_rank_file)
+        elif self.fsdp is not None:  # the DCP folders stay in the slots until the models and optimizers load them
             files = files_of_fsdp.memory_files(ck, step, _is_rank_file)
         elif self.deepspeed:  # the engine's files hold its objects; the flash engine shares them itself
             files = ck.load(step, map_location="cpu", weights_only=False).files
@@ -420,7 +445,7 @@ class AccelerateCheckpointer:
             for hook in acc._load_model_state_pre_hook.values():
                 hook(models, folder)
             if self.fsdp is not None:
-                self._load_fsdp(step, files)
+                self._load_fsdp(step, files, sources)
             elif self.deepspeed:
                 engine_files = {k: v for k, v in files.items() if _is_engine_file(k)}
                 _deepspeed().load_step(self._engine(), ck, step, engine_files, tag=DEEPSPEED_TAG,
@@ -443,7 +468,7 @@ class AccelerateCheckpointer:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _load_fsdp(self, step: int, files: dict[str, Any]) -> None:
+    def _load_fsdp(self, step: int, files: dict[str, Any], sources: reshard.Sources | None) -> None:
         """Each model and optimizer from the snapshot of ``step``, as ``load_fsdp_model`` / ``load_fsdp_optimizer``
         read a folder: shards read in place from every process's slot, or rank 0's full state scattered
         (collective)."""
@@ -451,14 +476,14 @@ class AccelerateCheckpointer:
         hint = "Load its committed folder instead: accelerator.load_state(<folder>)."
         for i, model in enumerate(acc._models):
             if files_of_fsdp.is_sharded(plugin):
-                files_of_fsdp.load_sharded_model(plugin, ck, model, step, i)
+                files_of_fsdp.load_sharded_model(plugin, ck, model, step, i, sources=sources)
                 continue
             model_sd = files.pop(files_of_fsdp.full_model_file(i), None)
             files_of_fsdp.require_on_rank0(ck, model_sd, step, files_of_fsdp.full_model_file(i), hint)
             files_of_fsdp.set_full(model, model_sd or {}, None)
         for i, optimizer in enumerate(acc._optimizers):
             if files_of_fsdp.is_sharded(plugin):
-                files_of_fsdp.load_sharded_optimizer(plugin, ck, acc._models[i], optimizer, step, i)
+                files_of_fsdp.load_sharded_optimizer(plugin, ck, acc._models[i], optimizer, step, i, sources=sources)
                 continue
             optim_sd = files.pop(files_of_fsdp.full_optimizer_file(i), None)
             files_of_fsdp.require_on_rank0(ck, optim_sd, step, files_of_fsdp.full_optimizer_file(i), hint)

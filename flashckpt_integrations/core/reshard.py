@@ -155,6 +155,8 @@ class Sources:
     tag: dict[str, Any] | None = None
     """The snapshots' lineage tag (the same on every rank): what the attempt that resumes continues
     (``Checkpointer.start_attempt(step, from_memory=True, tag=...)``)."""
+    folder: str | None = None
+    """The folder the step was saved for (``save(..., folder=)``), when one was named."""
 
     @classmethod
     def open(cls, ck: Any, choice: Choice, found: list[Snapshot]) -> Sources | None:
@@ -179,11 +181,14 @@ class Sources:
                 break
             sources.slots[snap.rank] = (slot, slot.read_metadata(header))
         tag = next((meta.get("tag") for _, meta in sources.slots.values() if meta.get("tag")), None)
-        views = collectives.all_gather_object([ok, tag], ck.world_size, ck.process_group)
+        folder = next((meta.get("persist_target", {}).get("layout", {}).get("folder")
+                       for _, meta in sources.slots.values()), None)
+        views = collectives.all_gather_object([ok, tag, folder], ck.world_size, ck.process_group)
         if not all(v[0] for v in views):
             sources.close()
             return None
         sources.tag = next((v[1] for v in views if v[1]), None)
+        sources.folder = next((v[2] for v in views if v[2]), None)
         return sources
 
     def snapshot(self, old_rank: int) -> tuple[Slot, dict[str, Any]]:

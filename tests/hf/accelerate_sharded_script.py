@@ -1,5 +1,5 @@
 """An accelerate loop on a tiny GPT-2 under FSDP or DeepSpeed, launched by ``accelerate launch`` with an FSDP or
-DeepSpeed config file (2 processes; run by test_accelerate.py).
+DeepSpeed config file (2 processes, or 4 with ``--num_processes 4``; run by test_accelerate.py).
 
     accelerate launch --config_file CONFIG.yaml tests/hf/accelerate_sharded_script.py --out DIR
         [--crash-at S] [--plain --resume-from FOLDER] [--params-out FILE]
@@ -89,7 +89,7 @@ def main() -> None:
     opts = parser.parse_args()
     accelerator = cpu_accelerator(opts.out)
     kind = accelerator.distributed_type
-    assert kind in (DistributedType.FSDP, DistributedType.DEEPSPEED) and accelerator.num_processes == 2, kind
+    assert kind in (DistributedType.FSDP, DistributedType.DEEPSPEED) and accelerator.num_processes in (2, 4), kind
     if kind == DistributedType.DEEPSPEED:  # (no dataloader is prepared to tell it)
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = BATCH
     set_seed(7)

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
+from flashckpt_integrations import cli  # noqa: E402
 from flashckpt_integrations.adapters.accelerate import AccelerateCheckpointer, enable  # noqa: E402
 from flashckpt_integrations.errors import LayoutMismatchError  # noqa: E402
 from tests.helpers import save_lines  # noqa: E402
@@ -277,11 +278,12 @@ def test_bad_input_is_refused_with_what_to_do(tmp_path):
 # --- accelerate launch, 2 processes ------------------------------------------------------------
 
 
-def _launch(script: str, *args: str, timeout: float = 240, config: str = CONFIG
+def _launch(script: str, *args: str, timeout: float = 240, config: str = CONFIG, processes: int | None = None
             ) -> tuple[subprocess.CompletedProcess, dict | None]:
     env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-           "--main_process_port", str(_free_port()), os.path.join(EXAMPLES, script), *args]
+           "--main_process_port", str(_free_port()), *(["--num_processes", str(processes)] if processes else []),
+           os.path.join(EXAMPLES, script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{") and '"final_step"' in x]
     return proc, (lines[-1] if lines else None)
@@ -456,6 +458,39 @@ def test_accelerate_launch_fsdp_crash_resumes_from_memory_as_stock_resumes_from_
                    "pytorch_model_fsdp_0/__1_0.distcp"} if kind == "SHARDED_STATE_DICT"
                   else {"optimizer.bin", "pytorch_model_fsdp.bin"})
     assert set(files) == fsdp_files | {"random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"}, files
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_accelerate_launch_fsdp_resumes_from_the_memory_of_more_processes(tmp_path, private_shm_dir, capsys):
+    """FSDP2's sharded state saved by 4 processes, killed right after the memory-only snapshot of step 9
+    (committed: step_8); the node persists step 9 from the 4 processes' memory (the storage reference).
+    2 processes resume step 9 from that memory and train to step 12, bit for bit as the stock accelerate
+    on 2 processes does from the persisted folder."""
+    config = tmp_path / "config.yaml"
+    config.write_text(FSDP_CONFIG.format(version=2, kind="SHARDED_STATE_DICT",
+                                         version_options="  fsdp_reshard_after_forward: true\n"))
+    out = str(tmp_path / "run")
+    crashed, _ = _launch(SHARDED_SCRIPT, "--out", out, "--steps", "12", "--crash-at", "9", config=str(config),
+                         processes=4)
+    assert crashed.returncode != 0 and '{"crashing_at": 9}' in crashed.stdout, crashed.stdout + crashed.stderr
+    capsys.readouterr()
+    assert cli.main(["persist", out, "--shm-dir", private_shm_dir]) == 0
+    assert "step 9 is committed (ranks [0, 1, 2, 3]" in capsys.readouterr().out
+    resumed, summary = _launch(SHARDED_SCRIPT, "--out", out, "--steps", "12", "--params-out", str(tmp_path / "run.pt"),
+                               config=str(config))
+    logs = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, logs
+    assert summary["resumed_from"] == [9, "memory"] and summary["flash"], logs
+    assert "step 9 was saved by 4 processes and is resharded onto 2 from their memory" in logs
+    persisted = [name for name in os.listdir(out) if name.endswith("9")]
+    assert len(persisted) == 1, os.listdir(out)
+    stock, ref = _launch(SHARDED_SCRIPT, "--out", str(tmp_path / "stock"), "--plain", "--resume-from",
+                         os.path.join(out, persisted[0]), "--steps", "12", "--params-out", str(tmp_path / "stock.pt"),
+                         config=str(config))
+    assert stock.returncode == 0, stock.stdout + stock.stderr
+    assert ref["resumed_from"] == [9, "storage"]
+    _assert_equal(torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "stock.pt"))
 
 
 @pytest.mark.distributed
