@@ -260,6 +260,7 @@ class Repeat:
         self.env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "FLASHCKPT_SHM_DIR": self.shm,
                     "FLASHCKPT_RUN_DIR": self.run}
         self.jobs = 0
+        self.job_s = 0.0
 
     def torchrun(self, nproc: int, role: str, ckpt: str, *extra: str) -> tuple[int, str, str]:
         """Run one job; (its exit status, its output folder, its log)."""
@@ -270,9 +271,11 @@ class Repeat:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                f"--master-port={free_port()}", os.path.abspath(__file__), "--worker", role, "--ckpt", ckpt,
                "--out", out, "--width", str(self.width), "--layers", str(self.args.layers), *extra]
+        started = time.monotonic()
         with open(log, "w") as f:
             code = subprocess.call(cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                    timeout=1800)
+        self.job_s = time.monotonic() - started
         return code, out, log
 
     def save(self, nproc: int) -> dict[str, Any]:
@@ -307,7 +310,7 @@ class Repeat:
             restored = json.load(f)
         check(row, restored, saved, log)
         return {"seconds": max(r["seconds"] for r in restored["ranks"]),
-                "ranks": [r["seconds"] for r in restored["ranks"]], "cached_share": share}
+                "ranks": [r["seconds"] for r in restored["ranks"]], "cached_share": share, "job_s": self.job_s}
 
     def close(self) -> None:
         kill_savers(self.shm, self.run)
@@ -431,7 +434,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"repeat {index + 1}/{args.repeats} {row}: {result['seconds']:.3f} s (ranks: "
                       + ", ".join(f"{s:.3f}" for s in result["ranks"])
                       + (f"; page cache {result['cached_share']:.0%}" if result["cached_share"] is not None else "")
-                      + ")", flush=True)
+                      + f"; the whole job {result['job_s']:.1f} s)", flush=True)
         finally:
             repeat.close()
     return {"samples": samples, "saves": saves}

@@ -554,7 +554,7 @@ class MemoryReader(ItemReader):
                 raise CheckpointNotFoundError(f"rank {checkpointer.rank} no longer holds step {step} in memory")
             snapshots, self.owners = {checkpointer.rank: snapshot}, None
         else:  # another number of ranks: each serves the old ranks' snapshots it was given
-            snapshots, self.owners = sources.slots, sources.choice.owners
+            snapshots, self.owners = sources.readable(), sources.choice.owners
         prefix = _join(folder, "")
         self.parts: dict[str, dict[int, Any]] = {}
         raw_metadata = None

@@ -15,15 +15,19 @@ Call order::
     sources.close()
 
 A step is chosen only when every old rank's snapshot of it is held by some new rank and it is at
-least as new as the newest commit; each old rank is served by one of the new ranks that hold it
-(spread over them by old rank).
-Every served snapshot is verified against its checksum table; if one fails, every rank gets
-``None`` from :meth:`Sources.open` and loads from storage.
+least as new as the newest commit; each old rank is served by one of the new ranks that hold it:
+old rank r of W by new rank r * W' // W when that one holds it (FSDP and DTensor shard in
+contiguous blocks, so its rows are mostly that rank's), else spread over the holders by old rank.
+Every served snapshot is verified by its server against its checksum table, on the mapping that
+is then read; if one fails, every rank gets ``None`` from :meth:`Sources.open` and loads from
+storage. A new rank also reads in place the other snapshots of its node that their servers
+verified (:meth:`Sources.readable`); only the items of other nodes' old ranks are sent.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +36,13 @@ from ..errors import CorruptCheckpointError
 from . import collectives
 from .rescue import job_replicas, job_slots
 from .shm_buffer import Slot, complete_snapshot
-from .verify import check_slot
+from .verify import check_attached
 
 logger = logging.getLogger(__name__)
+
+_HOST = socket.gethostname()
+"""With the slot's path, names a snapshot across the job's nodes (nodes on one host have shared-memory
+directories of their own)."""
 
 
 @dataclass(frozen=True)
@@ -142,16 +150,26 @@ def choose(ck: Any, found: list[Snapshot], newest_commit: int | None) -> Choice 
     if not complete:
         return None
     step, world = max(complete)
-    by_rank = holders[(world, step)]  # spread over the holders (on one node every new rank holds every old one)
-    return Choice(step, world, {rank: by_rank[rank][rank % len(by_rank[rank])] for rank in range(world)})
+    by_rank = holders[(world, step)]
+
+    def owner(rank: int) -> int:
+        """The new rank whose share of the state this old rank's rows most likely are (a contiguous
+        block, as FSDP and DTensor shard), when it holds it: then nothing crosses the process group."""
+        held, block = by_rank[rank], rank * ck.world_size // world
+        return block if block in held else held[rank % len(held)]
+
+    return Choice(step, world, {rank: owner(rank) for rank in range(world)})
 
 
 @dataclass
 class Sources:
-    """The snapshots of the old ranks this rank serves, mapped and verified."""
+    """The snapshots of the old ranks this rank serves, mapped and verified (``slots``), and the other
+    old ranks' snapshots on this rank's node that their servers verified (``local``: read in place
+    rather than sent over the process group)."""
 
     choice: Choice
     slots: dict[int, tuple[Slot, dict[str, Any]]] = field(default_factory=dict)
+    local: dict[int, tuple[Slot, dict[str, Any]]] = field(default_factory=dict)
     tag: dict[str, Any] | None = None
     """The snapshots' lineage tag (the same on every rank): what the attempt that resumes continues
     (``Checkpointer.start_attempt(step, from_memory=True, tag=...)``)."""
@@ -168,9 +186,9 @@ class Sources:
                 continue
             if choice.owners.get(snap.rank) != ck.rank or snap.rank in sources.slots:
                 continue
-            status = check_slot(snap.path)
-            slot = Slot.attach(snap.path) if status["status"] == "ok" else None
-            header = slot.read_header() if slot is not None else None
+            slot = Slot.attach(snap.path)  # verified on the mapping the reads then use
+            status = check_attached(slot) if slot is not None else {"status": "empty"}
+            header = slot.read_header() if slot is not None and status["status"] == "ok" else None
             if header is None or (header.step, header.seq) != (snap.step, snap.seq):
                 logger.warning("[RANK %d] the snapshot of old rank %d (step %d) in %s did not verify (%s); "
                                "loading from storage", ck.rank, snap.rank, snap.step, snap.path,
@@ -183,18 +201,40 @@ class Sources:
         tag = next((meta.get("tag") for _, meta in sources.slots.values() if meta.get("tag")), None)
         folder = next((meta.get("persist_target", {}).get("layout", {}).get("folder")
                        for _, meta in sources.slots.values()), None)
-        views = collectives.all_gather_object([ok, tag, folder], ck.world_size, ck.process_group)
+        verified = [[_HOST, snap.path, snap.seq] for snap in found if snap.rank in sources.slots
+                    and (snap.world_size, snap.step) == (choice.world_size, choice.step)]
+        views = collectives.all_gather_object([ok, tag, folder, verified], ck.world_size, ck.process_group)
         if not all(v[0] for v in views):
             sources.close()
             return None
         sources.tag = next((v[1] for v in views if v[1]), None)
         sources.folder = next((v[2] for v in views if v[2]), None)
+        sources._map_local(found, {tuple(key) for v in views for key in v[3]})
         return sources
+
+    def _map_local(self, found: list[Snapshot], verified: set[tuple[str, str, int]]) -> None:
+        """Map the snapshots of the chosen step on this node that another rank of the node verified."""
+        for snap in found:
+            if (snap.world_size, snap.step) != (self.choice.world_size, self.choice.step):
+                continue
+            if snap.rank in self.slots or snap.rank in self.local or (_HOST, snap.path, snap.seq) not in verified:
+                continue
+            slot = Slot.attach(snap.path)
+            header = slot.read_header() if slot is not None else None
+            if header is None or (header.step, header.seq) != (snap.step, snap.seq):  # replaced since: not read
+                if slot is not None:
+                    slot.close()
+                continue
+            self.local[snap.rank] = (slot, slot.read_metadata(header))
+
+    def readable(self) -> dict[int, tuple[Slot, dict[str, Any]]]:
+        """Every old rank's snapshot this rank reads in place: the ones it serves and its node's others."""
+        return {**self.local, **self.slots}
 
     def snapshot(self, old_rank: int) -> tuple[Slot, dict[str, Any]]:
         return self.slots[old_rank]
 
     def close(self) -> None:
-        for slot, _ in self.slots.values():
+        for slot, _ in [*self.slots.values(), *self.local.values()]:
             slot.close()
-        self.slots = {}
+        self.slots, self.local = {}, {}

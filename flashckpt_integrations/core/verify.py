@@ -431,22 +431,27 @@ def check_slot(path: str) -> dict[str, Any]:
     if slot is None:
         return {"status": "empty", "step": None, "detail": None}
     try:
-        header = slot.read_header()
-        if header is None or header.state is SlotState.EMPTY:
-            return {"status": "empty", "step": None, "detail": None}
-        if header.state is not SlotState.COMPLETE:
-            return {"status": "incomplete", "step": header.step, "detail": "being written, or torn by a crash"}
-        try:
-            meta = slot.read_metadata(header)
-            check = open_check(slot, header, meta)
-        except UnverifiedSnapshotError as exc:
-            return {"status": "unverified", "step": header.step, "detail": str(exc)}
-        except CorruptCheckpointError as exc:
-            return {"status": "bad", "step": header.step, "detail": str(exc)}
-        try:
-            check.check()
-        except CorruptCheckpointError as exc:
-            return {"status": "bad", "step": header.step, "detail": str(exc)}
-        return {"status": "ok", "step": header.step, "detail": None}
+        return check_attached(slot)
     finally:
         slot.close()
+
+
+def check_attached(slot: Slot) -> dict[str, Any]:
+    """:func:`check_slot` of a slot the caller has mapped (and keeps, to read what verified)."""
+    header = slot.read_header()
+    if header is None or header.state is SlotState.EMPTY:
+        return {"status": "empty", "step": None, "detail": None}
+    if header.state is not SlotState.COMPLETE:
+        return {"status": "incomplete", "step": header.step, "detail": "being written, or torn by a crash"}
+    try:
+        meta = slot.read_metadata(header)
+        check = open_check(slot, header, meta)
+    except UnverifiedSnapshotError as exc:
+        return {"status": "unverified", "step": header.step, "detail": str(exc)}
+    except CorruptCheckpointError as exc:
+        return {"status": "bad", "step": header.step, "detail": str(exc)}
+    try:
+        check.check()
+    except CorruptCheckpointError as exc:
+        return {"status": "bad", "step": header.step, "detail": str(exc)}
+    return {"status": "ok", "step": header.step, "detail": None}

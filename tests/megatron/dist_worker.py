@@ -101,17 +101,23 @@ def crash(layout: str, ckpt: str, record: dict) -> None:
 KEEP: list = []
 
 
+def load_recorded(flash, record: dict) -> tuple:
+    """A fresh model loaded by the patched ``load_checkpoint``; what it loaded, from where, how fast: in ``record``."""
+    model, optimizer, scheduler = tiny.build(seed=99)
+    started = time.perf_counter()
+    iteration, flops = checkpointing.load_checkpoint(model, optimizer, scheduler)
+    record["load_s"] = time.perf_counter() - started
+    record["loaded_iteration"], record["loaded_flops"] = iteration, flops
+    record["source"] = flash.last_load
+    return model, optimizer, scheduler, iteration
+
+
 def resume(layout: str, ckpt: str, record: dict) -> None:
     from flashckpt_integrations.adapters import megatron as flash_megatron
 
     flash = flash_megatron.patch(persist_interval=4)
     try:
-        model, optimizer, scheduler = tiny.build(seed=99)
-        started = time.perf_counter()
-        iteration, flops = checkpointing.load_checkpoint(model, optimizer, scheduler)
-        record["load_s"] = time.perf_counter() - started
-        record["loaded_iteration"], record["loaded_flops"] = iteration, flops
-        record["source"] = flash.last_load
+        model, optimizer, scheduler, iteration = load_recorded(flash, record)
         record["loaded"] = tiny.digest(model, optimizer)
         tiny.train(model, optimizer, scheduler, iteration + 1, 8)
         record["final"] = tiny.digest(model, optimizer)
@@ -179,12 +185,7 @@ def reshard_resume(layout: str, ckpt: str, record: dict) -> None:
     logged = Logged()
     logging.getLogger("flashckpt_integrations").addHandler(logged)
     try:
-        model, optimizer, scheduler = tiny.build(seed=99)
-        started = time.perf_counter()
-        iteration, flops = checkpointing.load_checkpoint(model, optimizer, scheduler)
-        record["load_s"] = time.perf_counter() - started
-        record["loaded_iteration"], record["loaded_flops"] = iteration, flops
-        record["source"] = flash.last_load
+        model, optimizer, scheduler, iteration = load_recorded(flash, record)
         record.update(reshard_state(layout, model, optimizer))
         tiny.train(model, optimizer, scheduler, iteration + 1, iteration + 1)
         checkpointing.save_checkpoint(iteration + 1, model, optimizer, scheduler, 100 * (iteration + 1))
