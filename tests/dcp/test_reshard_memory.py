@@ -21,7 +21,7 @@ from tests.dcp.launch import HERE, torchrun
 from tests.distributed.launch import records
 from tests.distributed.launch import run as run_worker
 from tests.distributed.nodes import holds, kill_node, launch_nodes, wait_for
-from tests.helpers import assert_same, kill_savers
+from tests.helpers import assert_same, complete_slots, flip_slot_byte, kill_savers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -83,14 +83,25 @@ def test_a_lost_node_resumes_on_the_node_left_from_memory(tmp_path, private_shm_
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def test_fsdp2_state_restores_onto_more_ranks_from_memory(tmp_path):
+@pytest.mark.parametrize("flipped", [False, True])
+def test_fsdp2_state_restores_onto_more_ranks_from_memory(tmp_path, private_shm_dir, flipped):
+    """2 ranks onto 4. ``flipped``: a byte of old rank 1's snapshot of step 4 flipped (a stray write): the
+    4 ranks refuse it together and load the newest commit, step 2, from storage."""
     ckpt, first, second = tmp_path / "ckpt", tmp_path / "first", tmp_path / "second"
     run = torchrun("fsdp_train.py", "--ckpt", ckpt, "--out", first, "--steps", 4, "--persist-at", 2,
-                   "--memory-at", 4, "--dump-at", 4, "--kill-at", 4, nproc=2)
+                   "--memory-at", 4, "--dump-at", 2, 4, "--kill-at", 4, nproc=2)
     assert run.returncode != 0 and (first / "full-4.pt").exists(), run.stderr[-3000:]
-    run = torchrun("fsdp_train.py", "--ckpt", ckpt, "--out", second, "--steps", 4, "--resume", "--dump-at", 4,
+    if flipped:
+        flip_slot_byte(next(path for rank, step, path in complete_slots(private_shm_dir) if (rank, step) == (1, 4)))
+    run = torchrun("fsdp_train.py", "--ckpt", ckpt, "--out", second, "--steps", 4, "--resume", "--dump-at", 2, 4,
                    *COUNTING, nproc=4)
     assert run.returncode == 0, run.stderr[-5000:]
+    if flipped:
+        assert "the snapshot of old rank 1 (step 4)" in run.stderr and "did not verify" in run.stderr, run.stderr
+        for loaded in _loads(second, 4):
+            assert loaded["load"] == 2 and loaded["source"] == "storage" and loaded["storage_bytes"] > 0, loaded
+        assert_same(_full(second / "full-2.pt"), _full(first / "full-2.pt"))
+        return
     assert _loads(second, 4) == [{"load": 4, "source": "memory", "storage_bytes": 0}] * 4
     assert_same(_full(second / "full-4.pt"), _full(first / "full-4.pt"))
 
