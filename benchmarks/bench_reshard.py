@@ -39,7 +39,6 @@ within a repeat. Targets: ``reshard_memory`` <= 1.5x ``same_world_memory`` and <
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -55,6 +54,10 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests.helpers import kill_savers  # noqa: E402
+
 MIB = 1 << 20
 ROWS = ("reshard_memory", "storage_cold", "storage_warm", "same_world_memory")
 STEP = 1
@@ -313,7 +316,7 @@ class Repeat:
                 "ranks": [r["seconds"] for r in restored["ranks"]], "cached_share": share, "job_s": self.job_s}
 
     def close(self) -> None:
-        kill_savers(self.shm, self.run)
+        kill_savers(self.run)  # (every saver's run directory is under the repeat's FLASHCKPT_RUN_DIR)
         shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.run, ignore_errors=True)
         if not self.args.keep:
@@ -386,36 +389,6 @@ def cached_share(paths: list[str]) -> float:
 def settle(seconds: float) -> None:
     os.sync()
     time.sleep(seconds)
-
-
-def saver_pids(shm: str, run: str) -> list[int]:
-    """The savers started with this repeat's ``FLASHCKPT_SHM_DIR`` or under its run directory."""
-    marks = (f"FLASHCKPT_SHM_DIR={shm}".encode(), f"FLASHCKPT_RUN_DIR={run}".encode())
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"flashckpt_integrations.core.saver" not in f.read():
-                    continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(mark in environ for mark in marks):
-            pids.append(int(entry))
-    return pids
-
-
-def kill_savers(shm: str, run: str) -> None:
-    """SIGKILL the repeat's savers and wait until they are gone (large mappings take a moment)."""
-    for pid in saver_pids(shm, run):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while saver_pids(shm, run) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
