@@ -87,16 +87,21 @@ def declare_resume(ck: Checkpointer, step: int, source: str = "storage", tag: Ma
         ck.start_attempt(None)
 
 
-def warn_unresharded(ck: Checkpointer, committed: list[int], framework: str) -> None:
-    """Rank 0: a WARNING when a job of another number of ranks left a step in memory newer than the
-    newest commit, which this state cannot be resharded from (collective: every rank calls it)."""
+def resharding_sources(ck: Checkpointer, committed: list[int], *, reshards: bool, framework: str
+                       ) -> reshard.Sources | None:
+    """The snapshots that a job of another number of ranks left in memory, of a step not older than the
+    newest of ``committed``, when the state reshards (collective; ``reshard.open_sources``). Otherwise
+    None, and rank 0 WARNs when memory holds a newer step that this state cannot be resharded from."""
+    if reshards:
+        return reshard.open_sources(ck, committed[-1] if committed else None)
     newer = reshard.newest_elsewhere(ck)
     if newer is None or (committed and newer[0] <= committed[-1]) or ck.rank != 0:
-        return
+        return None
     logger.warning("flashckpt: shared memory holds step %d, saved by a job of %d ranks; this job has %d, and %s state "
                    "resumes from memory onto another number of ranks only as FSDP's SHARDED_STATE_DICT. %s",
                    newer[0], newer[1], ck.world_size, framework,
                    f"Resuming from committed step {committed[-1]}" if committed else "Starting afresh")
+    return None
 
 
 def step_destination(ck: Checkpointer, step: int) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 from ..core import reshard
 from ..core.checkpointer import Checkpointer
 from ..errors import FlashCkptError, missing_dependency
-from ._common import newest_memory_step, warn_unresharded, write_byte_files
+from ._common import newest_memory_step, resharding_sources, write_byte_files
 from ._hf_files import TRAINER_STATE_NAME
 
 try:
@@ -121,11 +121,8 @@ def _resharded(ck: Checkpointer, committed: list[int],
                resharded_files: Callable[[reshard.Sources], dict[str, Any]] | None) -> MemoryResume | None:
     """The snapshot of a job of another number of ranks to resume from (collective), or None; a
     WARNING when memory holds a newer step than the newest commit that this state cannot reshard from."""
-    if resharded_files is None:
-        warn_unresharded(ck, committed, "the Trainer's")
-        return None
-    sources = reshard.open_sources(ck, committed[-1] if committed else None)
-    if sources is None:
+    sources = resharding_sources(ck, committed, reshards=resharded_files is not None, framework="the Trainer's")
+    if sources is None or resharded_files is None:
         return None
     try:
         files = resharded_files(sources)

@@ -63,8 +63,8 @@ from ._common import (
     log_save,
     newest_memory_step,
     quiet_about,
+    resharding_sources,
     share_from_rank0,
-    warn_unresharded,
     write_byte_files,
 )
 from .fsdp import gather_full
@@ -409,11 +409,8 @@ class AccelerateCheckpointer:
         """The snapshots that a job of another number of processes left in memory, newer than any commit,
         when the state reshards (FSDP's sharded state dict); else None (collective)."""
         ck = self.checkpointer
-        committed = ck.committed_steps()
-        if self.fsdp is not None and files_of_fsdp.is_sharded(self.fsdp):
-            return reshard.open_sources(ck, committed[-1] if committed else None)
-        warn_unresharded(ck, committed, "accelerate")
-        return None
+        return resharding_sources(ck, ck.committed_steps(), framework="accelerate",
+                                  reshards=self.fsdp is not None and files_of_fsdp.is_sharded(self.fsdp))
 
     def held_by_all(self, step: int) -> bool:
         """Whether every process holds ``step`` in memory (collective; fetches it from a peer first)."""

@@ -11,7 +11,7 @@ Call order::
         found = node_snapshots(ck)                  # this node's complete snapshots of the job (other world sizes)
         choice = choose(ck, found, newest_commit)   # collective: the step, the old world size, who serves which
         Sources.open(ck, choice, found)             # collective: maps and verifies the old ranks this rank serves
-    sources.snapshot(old_rank)                  # (slot, metadata) of one of them
+    sources.slots / sources.readable()          # (slot, metadata) by old rank: served here / readable in place
     sources.close()
 
 A step is chosen only when every old rank's snapshot of it is held by some new rank and it is at
@@ -230,9 +230,6 @@ class Sources:
     def readable(self) -> dict[int, tuple[Slot, dict[str, Any]]]:
         """Every old rank's snapshot this rank reads in place: the ones it serves and its node's others."""
         return {**self.local, **self.slots}
-
-    def snapshot(self, old_rank: int) -> tuple[Slot, dict[str, Any]]:
-        return self.slots[old_rank]
 
     def close(self) -> None:
         for slot, _ in [*self.slots.values(), *self.local.values()]:
