@@ -10,7 +10,6 @@ for the distributed optimizer (with ``--ckpt-fully-parallel-load``).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 
 pytest.importorskip("megatron.training.checkpointing")
 
-from tests.distributed.launch import free_port, torchrun_cmd  # noqa: E402
+from tests.megatron.test_megatron_torch_dist import launch, ok, records  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -30,36 +29,19 @@ LAYOUTS = [*RESHARDED, "dp-torch"]
 """And ``--ckpt-format torch`` (plain optimizer), which is not resharded from memory."""
 
 
-def launch(mode: str, nproc: int, base, out) -> subprocess.CompletedProcess:
-    cmd = [*torchrun_cmd(nproc, free_port()), os.path.join(HERE, "dist_worker.py"), "--mode", mode,
-           "--base", str(base), "--out", str(out), "--layouts", ",".join(LAYOUTS)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCKPT_")}
-    env.update({"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONWARNINGS": "ignore",
-                "PYTHONPATH": REPO})
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=HERE)
-
-
-def records(out, mode: str, world: int) -> list[dict]:
-    result = []
-    for rank in range(world):
-        with open(os.path.join(out, f"{mode}-{rank}.json")) as f:
-            result.append(json.load(f))
-    return result
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """4 ranks killed after a memory-only save -> (committed iteration moved away) 2 ranks resume."""
     base, out = tmp_path_factory.mktemp("mreshard"), tmp_path_factory.mktemp("mreshard-out")
     seen: dict = {}
     try:
-        crashed = launch("reshard-crash", 4, base, out)
+        crashed = launch("reshard-crash", base, out, "--layouts", ",".join(LAYOUTS), nproc=4)
         assert crashed.returncode != 0, "the 4-rank run should have been killed"
         seen["crash"] = records(out, "reshard-crash", 4)
         seen["tracker"] = {name: (base / name / "latest_checkpointed_iteration.txt").read_text() for name in LAYOUTS}
         for name in RESHARDED:  # storage holds nothing readable now: a load from it would fail
             os.rename(base / name / "iter_0000002", base / f"{name}-iter_0000002")
-        resumed = launch("reshard-resume", 2, base, out)
+        resumed = launch("reshard-resume", base, out, "--layouts", ",".join(LAYOUTS))
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
         seen["resume"] = records(out, "reshard-resume", 2)
         yield seen
@@ -68,11 +50,6 @@ def runs(tmp_path_factory):
             subprocess.run([sys.executable, "-m", "flashckpt_integrations.cli", "clean", str(base / name)],
                            env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, timeout=120)
         shutil.rmtree(base, ignore_errors=True)
-
-
-def ok(rec: dict) -> dict:
-    assert "error" not in rec, rec.get("traceback")
-    return rec
 
 
 @pytest.mark.parametrize("layout", RESHARDED)

@@ -29,8 +29,9 @@ STOCK_JOBS = ["tp2:tp2:tp2", "tp2:tp2:tp1", "pp2:pp2:pp2", "pp2:pp2:pp1", "dp2:d
               "killpersist:tp2:tp2"]
 
 
-def launch(mode: str, base, out, *args: str, ours: bool = True, timeout: float = 400) -> subprocess.CompletedProcess:
-    cmd = [*torchrun_cmd(2, free_port()), os.path.join(HERE, "dist_worker.py"), "--mode", mode, "--base", str(base),
+def launch(mode: str, base, out, *args: str, ours: bool = True, timeout: float = 400, nproc: int = 2
+           ) -> subprocess.CompletedProcess:
+    cmd = [*torchrun_cmd(nproc, free_port()), os.path.join(HERE, "dist_worker.py"), "--mode", mode, "--base", str(base),
            "--out", str(out), *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCKPT_")}
     env.update({"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONWARNINGS": "ignore",
@@ -42,9 +43,9 @@ def launch(mode: str, base, out, *args: str, ours: bool = True, timeout: float =
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=HERE)
 
 
-def records(out, mode: str) -> list[dict]:
+def records(out, mode: str, world: int = 2) -> list[dict]:
     result = []
-    for rank in range(2):
+    for rank in range(world):
         with open(os.path.join(out, f"{mode}-{rank}.json")) as f:
             result.append(json.load(f))
     return result
