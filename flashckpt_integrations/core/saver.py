@@ -323,9 +323,13 @@ class Saver:
         elif op in (TrainerOp.REPLICA_PUSH, TrainerOp.REPLICA_INVENTORY, TrainerOp.REPLICA_FETCH):
             self.replication.handle(conn, request)
         elif op == TrainerOp.ATTACH:
-            # Map (and pre-fault) a new or grown slot now, so its first persist does not pay it.
-            self._executor(int(request["rank"])).submit(self._attach_quietly, request["slot"])
-            conn.send({"id": rid, "ok": True})
+            # Map (and pre-fault) a new or grown slot now, so its first persist does not pay it;
+            # answered once mapped where the rank waits for that (prepare()), else at once.
+            mapped = self._executor(int(request["rank"])).submit(self._attach_quietly, request["slot"])
+            if request.get("answer") == "mapped":
+                mapped.add_done_callback(lambda _: conn.send({"id": rid, "ok": True}))
+            else:
+                conn.send({"id": rid, "ok": True})
         else:
             conn.send({"id": rid, "ok": False, "error": f"unknown op {op!r}"})
 

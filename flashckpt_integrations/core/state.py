@@ -195,6 +195,11 @@ class PickleCache:
         self.hits += 1
         return plan
 
+    def locate(self) -> None:
+        """Find where the values of each remembered pickle sit now (what its first reuse would do)."""
+        for cached in self._cached.values():
+            cached.ready()
+
     def remember(self, path: str, spec: FileSpec, plan: FilePlan, regions: list[Region]) -> None:
         walked, self._walked = self._walked, None
         self._cached.pop(path, None)
@@ -281,10 +286,14 @@ class _CachedPickle:
         self.floats, self.ints = floats, ints
         return True
 
+    def ready(self) -> bool:
+        """Whether the values' places in the blob are known (found now if they were not)."""
+        return self.floats is not None or self._locate()
+
     def patched(self, walk: _Walk) -> bytes | None:
         """The cached pickle with ``walk``'s ints and floats; None when they cannot be located or an
         int does not fit its slot."""
-        if self.floats is None and not self._locate():
+        if not self.ready():
             return None
         blob = bytearray(self.blob)
         for offset, value in zip(self.floats, walk.floats):

@@ -106,3 +106,18 @@ def test_reused_pickles_restore_from_memory_and_load_with_stock_torch(make_check
     assert got == {"step": 1004, "lr": state["lr"], "neg": -4, "big": 2**40 + 4,
                    "group_lr": state["optimizer"]["param_groups"][0]["lr"], "nested": [4, 4.0], "shared": True,
                    "w": state["model"]["0.weight"].flatten().tolist()}
+
+
+def test_prepare_makes_the_first_saves_pickle(make_checkpointer):
+    """``prepare(state)`` pickles the state ahead: the first save reuses that pickle with its own
+    values (another step, lr, loss), and restores them."""
+    ck = make_checkpointer()
+    states = dict(_training(3))
+    ck.prepare(states[1])
+    assert ck.saves.pickles.hits == 0
+    result = ck.save(3, states[3], persist=False)
+    assert result.ok, result.reason
+    assert ck.saves.pickles.hits == 1
+    restored = ck.load(3).state
+    assert_same(restored, states[3])
+    assert (restored["step"], restored["loss"], restored["nested"]["a"]) == (1003, 2.5 / 3, [3, 3.0])

@@ -37,6 +37,8 @@ ERROR_EXIT_WAIT_S = 5.0
 """How long a process that exits on an error (a peer lost mid-collective, say) waits for its
 in-flight persists: the node's saver finishes them without it, and a commit that needs a lost
 node's ranks may never come, so an unbounded wait would keep the launcher from relaunching."""
+MAPPED_WAIT_S = 10.0
+"""How long ``prepare()`` waits for the saver to map the slots it made (it may be persisting)."""
 EXITING = threading.Event()
 """Set when the interpreter starts to exit: before it joins the request thread, so before any
 atexit hook (``threading._register_atexit``, the hook ``concurrent.futures`` uses itself)."""
@@ -85,6 +87,21 @@ class PersistRequests:
             self.client.request({"op": TrainerOp.ATTACH, "rank": self.rank, "slot": path})
         except SaverProcessError as exc:
             logger.debug("[RANK %d] could not announce slot %s: %s", self.rank, path, exc)
+
+    def wait_mapped(self, paths: list[str], timeout: float = MAPPED_WAIT_S) -> None:
+        """Have a running saver map ``paths`` now and wait until it has (``prepare()``: neither the
+        first save nor the first persist then shares the CPU with it). A saver not up is not waited for."""
+        if not self.client.connected:
+            return
+        answers = [self.client.request({"op": TrainerOp.ATTACH, "rank": self.rank, "slot": path, "answer": "mapped"})
+                   for path in paths]
+        deadline = time.monotonic() + timeout
+        for answer in answers:
+            try:
+                answer.result(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # its first persist maps it instead
+                logger.debug("[RANK %d] the saver did not map the slots ahead: %s", self.rank, exc)
+                return
 
     # --- a request --------------------------------------------------------------------------------
 
