@@ -12,12 +12,17 @@ from typing import Any
 import torch
 
 
+def _all_devices(plan: Any) -> frozenset[torch.device]:
+    found = getattr(plan, "device_set", None)  # a SnapshotPlan finds them once
+    return found if found is not None else frozenset(r.source.device for r in plan.regions)
+
+
 def on_device(plan: Any) -> bool:
-    return any(r.source.device.type != "cpu" for r in plan.regions)
+    return any(device.type != "cpu" for device in _all_devices(plan))
 
 
 def devices(plan: Any) -> set[torch.device]:
-    return {r.source.device for r in plan.regions if r.source.device.type != "cpu"}
+    return {device for device in _all_devices(plan) if device.type != "cpu"}
 
 
 def synchronize_devices(plan: Any) -> None:
@@ -65,10 +70,10 @@ def key_path(obj: Any, wanted: Any, where: str = "") -> str | None:
 
 def check_plan(plan: Any) -> None:
     """Refuse a plan with regions on devices a snapshot cannot copy from (before any slot is touched)."""
-    for region in plan.regions:
-        reason = unsupported_device(region.source.device.type)
+    for device in _all_devices(plan):
+        reason = unsupported_device(device.type)
         if reason is not None:
-            raise ValueError(f"cannot snapshot a tensor on {region.source.device}: {reason}")
+            raise ValueError(f"cannot snapshot a tensor on {device}: {reason}")
 
 
 # --- device-to-host copies on a side stream (the pattern of torch's _OverlappingCpuLoader) -----

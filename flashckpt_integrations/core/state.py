@@ -86,6 +86,11 @@ class SnapshotPlan:
     def tensor_bytes(self) -> int:
         return sum(r.nbytes for r in self.regions)
 
+    @functools.cached_property
+    def device_set(self) -> frozenset[torch.device]:
+        """The devices of the regions' tensors (found once: several checks of a save ask)."""
+        return frozenset(r.source.device for r in self.regions)
+
     def layout(self, start: int) -> int:
         """Assign offsets to regions, then blobs, from ``start``; return the end offset."""
         offset = start
@@ -181,13 +186,13 @@ class PickleCache:
         self._walked = None
         if spec.codec is not Codec.TORCH:
             return None
-        walk = _walk(spec.obj)
+        walk = _walk(spec.obj, stream=False)
         if walk is None:
             return None
         cached = self._cached.get(path)
         blob = cached.patched(walk) if cached is not None and cached.fingerprint == walk.fingerprint else None
-        if blob is None:
-            self._walked = (path, spec.obj, walk)  # for remember(), right after this file is pickled
+        if blob is None:  # for remember(), right after this file is pickled (with the ints' order this time)
+            self._walked = (path, spec.obj, _walk(spec.obj, stream=True))
             return None
         plan = FilePlan(path, Codec.TORCH, blob)
         for key, storage in enumerate(walk.storages):
@@ -306,9 +311,10 @@ class _CachedPickle:
         return bytes(blob)
 
 
-def _walk(obj: Any) -> _Walk | None:
+def _walk(obj: Any, stream: bool) -> _Walk | None:
     """The structure of a torch file's object (see :class:`PickleCache`), or ``None`` when it holds
-    anything the cache does not reuse pickles for."""
+    anything the cache does not reuse pickles for; ``stream``: with every int in pickling order
+    (what locating the values in a new pickle needs, and a reuse does not)."""
     out: list[Any] = []
     seen: dict[int, int] = {}  # id -> order of first appearance (containers and tensors)
     storage_order: dict[int, int] = {}
@@ -320,7 +326,8 @@ def _walk(obj: Any) -> _Walk | None:
         if kind is int:
             out.append(int)
             walk.ints.append(item)
-            walk.stream.append((True, item))
+            if stream:
+                walk.stream.append((True, item))
             continue
         if kind is float:
             out.append(float)
@@ -336,17 +343,20 @@ def _walk(obj: Any) -> _Walk | None:
                 continue
             seen[id(item)] = len(seen)
         if kind is torch.Tensor:
-            if _legacy_storage_type(item.dtype) is None or not _plain(item):
+            dtype = item.dtype
+            legacy = _LEGACY_STORAGE_TYPES.get(dtype, _UNKNOWN)
+            if legacy is _UNKNOWN:
+                legacy = _legacy_storage_type(dtype)
+            if legacy is None or not _plain(item):
                 return None
             storage = item.untyped_storage()
             order = storage_order.setdefault(storage._cdata, len(storage_order))
             if order == len(walk.storages):
                 walk.storages.append(storage)
-            size, stride = tuple(item.size()), item.stride()
-            out.append((order, storage.nbytes(), item.dtype, item.device, item.storage_offset(), size, stride,
-                        item.requires_grad))
-            numel = storage.nbytes() // item.dtype.itemsize
-            walk.stream.extend((False, v) for v in (numel, item.storage_offset(), *size, *stride))
+            size, stride, offset, nbytes = item.shape, item.stride(), item.storage_offset(), storage.nbytes()
+            out.append((order, nbytes, dtype, item.device, offset, size, stride, item.requires_grad))
+            if stream:
+                walk.stream.extend((False, v) for v in (nbytes // dtype.itemsize, offset, *size, *stride))
         elif kind is dict or kind is OrderedDict:
             out.append((kind, len(item)))
             if kind is OrderedDict and vars(item):  # a state_dict's _metadata: pickled after the items
@@ -386,6 +396,7 @@ class _StorageRef:
 
 _STORAGE_TYPES = (torch.storage.TypedStorage, torch.UntypedStorage, _StorageRef)
 _LEGACY_STORAGE_TYPES: dict[torch.dtype, Any] = {}
+_UNKNOWN = object()
 
 
 def _legacy_storage_type(dtype: torch.dtype) -> Any:
@@ -405,7 +416,7 @@ def _plain(tensor: torch.Tensor) -> bool:
     """A tensor whose pickle is exactly ``_rebuild_tensor_v2`` over its storage."""
     return (
         tensor.layout is torch.strided
-        and tensor.device.type in ("cpu", "cuda")
+        and (tensor.is_cpu or tensor.is_cuda)
         and not tensor.is_quantized
         and not tensor.is_conj()
         and not tensor.is_neg()
