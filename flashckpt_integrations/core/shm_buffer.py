@@ -165,6 +165,8 @@ class Slot:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._mm = mmap.mmap(self._fd, self.size, flags=flags)
         self._tensor = None  # made on first use: the saver reads slots without torch
+        self.copy_targets: dict[tuple[Any, ...], Any] = {}
+        """Views of this mapping the last copy into it wrote through (see ``state.copy_regions``)."""
 
     def fault_in_from_end(self, front: Callable[[], int]) -> None:
         """Map the pages in from the slot's end down to ``front()``, the offset a copy writing
@@ -203,6 +205,7 @@ class Slot:
         with self._pin_lock:  # a registration on another thread sees the mapping whole, or gone
             self._unpin_locked()
             self._tensor = None
+            self.copy_targets = {}
             if self._mm is not None:
                 # Tensors that still view the mapping keep it alive; it is unmapped when they go.
                 with contextlib.suppress(BufferError):

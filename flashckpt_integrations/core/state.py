@@ -608,14 +608,15 @@ def _pack_parts(path: str, spec: FileSpec, regions: list[Region], by_storage: di
     blob = bytearray()
     for number, part in enumerate(spec.obj):
         start = len(blob)
-        if isinstance(part, torch.Tensor) and unsupported_device(part.device.type) is not None:
-            raise ValueError(f"{path}: cannot snapshot part {number}: {unsupported_device(part.device.type)}")
         if isinstance(part, torch.Tensor):
+            if not part.is_cpu and unsupported_device(part.device.type) is not None:
+                raise ValueError(f"{path}: cannot snapshot part {number}: {unsupported_device(part.device.type)}")
             if part.layout is not torch.strided or part.is_quantized:
                 raise ValueError(f"{path}: a part must be a dense tensor, got {part.layout}; use .to_dense() first")
             blob += tensor_part_pickle(part)
             plan.parts.append([start, len(blob), len(regions)])
-            regions.append(Region(part.detach(), part.numel() * part.element_size()))
+            source = part.detach() if part.requires_grad else part
+            regions.append(Region(source, part.numel() * part.element_size()))
         elif isinstance(part, (bytes, bytearray, memoryview)):
             blob += part
             plan.parts.append([start, len(blob), -1])
@@ -634,23 +635,34 @@ _PACKERS = {
 }
 
 
-def copy_regions(plan: SnapshotPlan, slot: torch.Tensor, on_copied: Any = None) -> None:
+def copy_regions(plan: SnapshotPlan, slot: torch.Tensor, on_copied: Any = None,
+                 targets: dict[tuple[Any, ...], torch.Tensor] | None = None) -> None:
     """Copy every region's bytes into ``slot`` (a uint8 tensor over the slot), in order.
 
     ``on_copied(n)`` is called once the first ``n`` regions are in place (host copies only:
     device copies are asynchronous and complete together at the caller's synchronize).
+    ``targets``: the views of ``slot`` the previous copy into it wrote through, reused where a
+    region has the same place, dtype and shape (a state saved again; making the views is most
+    of a small tensor's copy), and replaced by this copy's.
     """
+    previous = targets if targets is not None else {}
+    used: dict[tuple[Any, ...], torch.Tensor] = {}
     for index, region in enumerate(plan.regions):
         if region.nbytes:
-            dst = slot[region.offset : region.offset + region.nbytes]
             src = region.source
-            non_blocking = src.device.type != "cpu"
-            if src.dtype == torch.uint8 and src.dim() == 1:
-                dst.copy_(src, non_blocking=non_blocking)
-            else:
-                dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)
+            key = (region.offset, region.nbytes, src.dtype, src.shape)
+            dst = previous.get(key)
+            if dst is None:
+                dst = slot[region.offset : region.offset + region.nbytes]
+                if src.dtype != torch.uint8 or src.dim() != 1:
+                    dst = dst.view(src.dtype).view(src.shape)
+            used[key] = dst
+            dst.copy_(src, non_blocking=not src.is_cpu)
         if on_copied is not None:
             on_copied(index + 1)
+    if targets is not None:
+        targets.clear()
+        targets.update(used)
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -61,9 +61,9 @@ def test_kill_mid_copy_leaves_the_previous_snapshot_loadable(tmp_path):
         ck = Checkpointer(ckpt_dir)
         assert ck.save(1, state(1), persist=False).ok
         real_copy = engine.copy_regions
-        def copy_then_die(plan, slot, on_copied=None):
+        def copy_then_die(plan, slot, on_copied=None, targets=None):
             plan.regions = plan.regions[:1]  # copy part of the state, then crash
-            real_copy(plan, slot, on_copied)
+            real_copy(plan, slot, on_copied, targets)
             os.kill(os.getpid(), signal.SIGKILL)
         engine.copy_regions = copy_then_die
         ck.save(2, state(2), persist=False)
@@ -89,10 +89,10 @@ def test_kill_mid_copy_of_a_streaming_persist_never_publishes_the_step(tmp_path)
         ck = Checkpointer(ckpt_dir, stream_persist=True)
         assert ck.save(1, state(1)).wait(60).committed
         real_copy = engine.copy_regions
-        def copy_then_die(plan, slot, on_copied=None):
+        def copy_then_die(plan, slot, on_copied=None, targets=None):
             assert on_copied is not None, "the persist must stream"
             plan.regions = plan.regions[:1]
-            real_copy(plan, slot, on_copied)  # region 0 is in place: the saver streams it
+            real_copy(plan, slot, on_copied, targets)  # region 0 is in place: the saver streams it
             time.sleep(1.0)
             os.kill(os.getpid(), signal.SIGKILL)
         engine.copy_regions = copy_then_die

@@ -195,3 +195,20 @@ def test_torch_codec_pickle_is_byte_identical_to_torch_save(tmp_path):
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as archive:
         (name,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
         assert plan.blob == archive.read(name)
+
+
+@pytest.mark.parametrize("codec", [Codec.TORCH, Codec.PARTS])
+def test_a_slot_written_again_with_another_dtype_or_shape_in_place_holds_the_new_bytes(make_checkpointer, codec):
+    """A copy reuses the views of the slot the previous copy into it wrote through (same place,
+    dtype and shape): a region at the same place with another dtype or shape gets its own."""
+    ck = make_checkpointer(slots=1)
+    values = [torch.arange(16, dtype=torch.float32).reshape(4, 4),
+              torch.arange(16, dtype=torch.int32).reshape(4, 4) * 7,  # same bytes, another dtype
+              torch.arange(16, dtype=torch.int32).reshape(2, 8) - 3,  # same bytes, another shape
+              torch.arange(16, dtype=torch.int32).reshape(2, 8) + 100]  # the same view again
+    for step, w in enumerate(values, 1):
+        obj = [w] if codec is Codec.PARTS else {"w": w}
+        assert ck.save(step, files={"f.bin": FileSpec(obj, codec)}, persist=False).ok
+        loaded = ck.load(step).files["f.bin"]
+        got = loaded[0] if codec is Codec.PARTS else loaded["w"]
+        assert got.dtype == w.dtype and torch.equal(got, w), step

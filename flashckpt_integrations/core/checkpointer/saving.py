@@ -270,7 +270,7 @@ class SavePath:
                               p.front.copied if p.front is not None else None)
             with devices.on_side_streams(copy):  # device copies go to each device's side stream
                 try:
-                    copy_regions(p.plan, p.slot.buffer, after_region(on_copied))
+                    copy_regions(p.plan, p.slot.buffer, after_region(on_copied), targets=p.slot.copy_targets)
                 finally:
                     if p.front is not None:
                         p.front.finish()
