@@ -121,3 +121,15 @@ def test_prepare_makes_the_first_saves_pickle(make_checkpointer):
     restored = ck.load(3).state
     assert_same(restored, states[3])
     assert (restored["step"], restored["loss"], restored["nested"]["a"]) == (1003, 2.5 / 3, [3, 3.0])
+
+
+def test_prepare_returns_once_the_saver_has_mapped_the_slots(make_checkpointer):
+    """``prepare()`` waits for the node's saver to map the slots it made, so that mapping does not
+    share the CPU with the first save (read from the saver's own ``/proc/PID/maps``)."""
+    ck = make_checkpointer()
+    ck.client.connect()
+    ck.client.request({"op": "ping"}).result(60)
+    ck.prepare({"w": torch.zeros(1 << 20)})
+    with open(f"/proc/{ck.client.saver_pid}/maps") as f:
+        mapped = f.read()
+    assert all(path in mapped for path in ck.slot_paths), (ck.slot_paths, mapped[-2000:])

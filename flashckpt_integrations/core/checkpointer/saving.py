@@ -139,6 +139,7 @@ class SavePath:
             return
         with self.slots.lock:  # never remap a slot under an overlapped copy (or a save) into it
             self.wait_for_snapshot()
+            self.slots.create_together(range(self.slots.count), nbytes)
             for index in range(self.slots.count):
                 if self.slots.persisting_done(index):
                     self.slots.ensure(index, nbytes, pin=device, wait_pin=True)
