@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import mmap
 import os
 import shutil
 import statistics
@@ -65,6 +64,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+from bench_vs_dlrover import Raw, held_bytes, make_state, timed  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -159,53 +160,26 @@ class MemoryPeak:
         return self.extra, self.shm
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
-class RawCopy:
-    """``.copy_`` of every tensor into slices of one ``/dev/shm`` mapping, 64-byte aligned: the
-    limit a snapshot's copy is measured against (the first call faults the mapping in: a cold
+class RawCopy(Raw):
+    """``bench_vs_dlrover``'s raw limit as a call: ``.copy_`` of every tensor into slices of one
+    ``/dev/shm`` mapping, 64-byte aligned (the first call maps it fresh and faults it in: a cold
     copy; later ones are warm)."""
 
     def __init__(self, state: dict[str, Any], shm_dir: str) -> None:
-        import torch
-
-        self.state, self.torch = state, torch
-        size = sum((t.numel() * t.element_size() + 63) // 64 * 64 for t in state.values())
-        self.path = os.path.join(shm_dir, f"raw-{uuid.uuid4().hex}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self.buffer = torch.frombuffer(self.mm, dtype=torch.uint8)
+        super().__init__({"shm_dir": shm_dir, "job": uuid.uuid4().hex, "dir": shm_dir})
+        self.state = state
 
     def __call__(self) -> None:
-        offset = 0
-        with self.torch.no_grad():
-            for t in self.state.values():
-                n = t.numel() * t.element_size()
-                self.buffer[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
-                offset += (n + 63) // 64 * 64
+        self.save_memory(0, self.state)
 
     def held(self) -> int:
         """Bytes of memory the mapping's file holds (its pages written so far)."""
-        return os.stat(self.path).st_blocks * 512
-
-    def close(self) -> None:
-        self.buffer = None
-        self.mm.close()
-        os.unlink(self.path)
+        return held_bytes(self.shm_paths())
 
 
 class Worker:
     def __init__(self, args: argparse.Namespace, build: bool) -> None:
         import torch
-        from bench_vs_dlrover import make_state
 
         torch.set_num_threads(1)
         self.args, self.torch = args, torch
